@@ -1,0 +1,23 @@
+"""cbcore: continuous batching for Hugging Face causal language models, a drop-in for transformers' own.
+
+    import cbcore
+    cbcore.enable(model)
+    outputs = model.generate_batch(prompts, generation_config=GenerationConfig(max_new_tokens=64))
+"""
+
+__version__ = "0.1.0"
+
+from .config import ContinuousBatchingConfig
+from .manager import ContinuousBatchingManager
+from .mixin import ContinuousMixin, enable
+from .requests import GenerationOutput, RequestStatus
+
+__all__ = [
+    "ContinuousBatchingConfig",
+    "ContinuousBatchingManager",
+    "ContinuousMixin",
+    "GenerationOutput",
+    "RequestStatus",
+    "enable",
+    "__version__",
+]

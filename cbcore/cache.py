@@ -1,0 +1,181 @@
+"""The paged KV cache: one K and one V tensor per layer, the C++ block allocator that hands out their blocks, and the
+block bookkeeping of each request (block table, prefix-cache commits).
+
+Layout: `[num_blocks, page_size, num_kv_heads, head_dim]` per layer, the layout `flash_attn_with_kvcache` takes with
+a block table. Token t of a request lives at `(block_table[t // page_size], t % page_size)`.
+
+Who holds a block reference (the allocator counts them; `check()` proves the count):
+
+| holder                      | takes a reference                        | releases it                              |
+|-----------------------------|------------------------------------------|------------------------------------------|
+| a request's `block_table`   | `grow()` (fresh blocks), `match_prefix()` | `release()`: finish, failure, preemption |
+| the prefix cache            | never: a hashed block with no holder sits in the allocator's LRU list, reusable until evicted |
+
+The scheduler calls the bookkeeping methods (it decides); the runner reads the tensors (it executes).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from ._C import BlockAllocator
+from .requests import RequestState
+
+# On a CPU the KV cache lives in the same RAM as everything else; never take more than this by default, so a small
+# model on a laptop-sized machine cannot push it into swap (transformers takes 60% of free RAM on CPU).
+CPU_CACHE_CAP_BYTES = 512 * 2**20
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """What one token costs in the cache, read off the model config."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V over every layer."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+    @classmethod
+    def from_model_config(cls, config, dtype: torch.dtype) -> CacheShape:
+        """Layers, KV heads and head dim of a transformers text config."""
+        config = config.get_text_config()
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        return cls(config.num_hidden_layers, num_kv_heads, head_dim, dtype)
+
+
+def plan_num_blocks(
+    shape: CacheShape,
+    page_size: int,
+    device: torch.device,
+    max_memory_percent: float,
+    reserved_bytes: int,
+    max_useful_tokens: int | None = None,
+) -> int:
+    """How many blocks to allocate when the user left `num_blocks=None`.
+
+    The budget is `max_memory_percent` of the memory that is free once the model is loaded, minus `reserved_bytes`
+    (the activations of the largest step, computed from the step budgets). On CPU it is also capped at
+    `CPU_CACHE_CAP_BYTES`. `max_useful_tokens` (from workload hints: every request at its longest, all at once)
+    caps it further: more blocks than that would never be used.
+    """
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = max_memory_percent * max(free - reserved_bytes, 0)
+    else:
+        available = psutil.virtual_memory().available
+        budget = min(max_memory_percent * max(available - reserved_bytes, 0), CPU_CACHE_CAP_BYTES)
+    num_blocks = int(budget // (shape.bytes_per_token * page_size))
+    if max_useful_tokens is not None:
+        num_blocks = min(num_blocks, math.ceil(max_useful_tokens / page_size) + 1)
+    if num_blocks < 1:
+        raise ValueError(
+            f"not enough free memory for a single KV-cache block of {page_size} tokens "
+            f"({shape.bytes_per_token * page_size} bytes); set num_blocks explicitly or free memory"
+        )
+    return num_blocks
+
+
+class PagedKVCache:
+    """K/V pages for every layer plus the allocator and per-request block bookkeeping."""
+
+    def __init__(
+        self,
+        shape: CacheShape,
+        num_blocks: int,
+        page_size: int,
+        device: torch.device,
+        allow_prefix_sharing: bool = True,
+    ) -> None:
+        self.shape = shape
+        self.num_blocks = num_blocks
+        self.page_size = page_size
+        self.device = device
+        self.allow_prefix_sharing = allow_prefix_sharing
+        page_shape = (num_blocks, page_size, shape.num_kv_heads, shape.head_dim)
+        self.key_caches = [torch.zeros(page_shape, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
+        self.value_caches = [torch.zeros(page_shape, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
+        self.allocator = BlockAllocator(num_blocks, page_size)
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The most tokens a single request can ever hold."""
+        return self.num_blocks * self.page_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes taken by the K/V tensors."""
+        return sum(t.numel() * t.element_size() for t in self.key_caches + self.value_caches)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold `num_tokens` tokens."""
+        return -(-num_tokens // self.page_size)
+
+    # ---- bookkeeping called by the scheduler -------------------------------------------------------------------
+
+    def match_prefix(self, state: RequestState) -> int:
+        """Share the request's leading full blocks that the prefix cache holds; return how many tokens that skips.
+
+        At least one token is always left to compute, so the last prompt position still produces logits.
+        """
+        if not self.allow_prefix_sharing or state.block_table:
+            return 0
+        max_blocks = (state.num_tokens - 1) // self.page_size
+        if max_blocks <= 0:
+            return 0
+        blocks = self.allocator.match_prefix(state.all_tokens, max_blocks)
+        state.block_table = list(blocks)
+        state.num_committed_blocks = len(blocks)
+        state.num_computed_tokens = len(blocks) * self.page_size
+        return state.num_computed_tokens
+
+    def can_grow(self, state: RequestState, num_tokens: int) -> bool:
+        """Whether the request's block table can cover `num_tokens` tokens (evicting unused cached blocks if needed)."""
+        missing = self.blocks_for(num_tokens) - len(state.block_table)
+        return missing <= 0 or missing <= self.allocator.num_available
+
+    def grow(self, state: RequestState, num_tokens: int) -> None:
+        """Extend the request's block table to cover `num_tokens` tokens; call `can_grow` first."""
+        missing = self.blocks_for(num_tokens) - len(state.block_table)
+        if missing > 0:
+            state.block_table.extend(self.allocator.allocate(missing))
+
+    def commit_full_blocks(self, state: RequestState) -> None:
+        """Offer every newly completed block (all its tokens computed) to the prefix cache, chained on its parent."""
+        if not self.allow_prefix_sharing:
+            return
+        num_full = state.num_computed_tokens // self.page_size
+        page = self.page_size
+        for index in range(state.num_committed_blocks, num_full):
+            parent = state.block_table[index - 1] if index else -1
+            self.allocator.commit(state.block_table[index], parent, state.all_tokens[index * page : (index + 1) * page])
+        state.num_committed_blocks = max(state.num_committed_blocks, num_full)
+
+    def release(self, state: RequestState) -> None:
+        """Drop the request's references; its computed K/V is forgotten (hashed blocks stay cached until evicted)."""
+        if state.block_table:
+            self.allocator.free(state.block_table)
+        state.block_table = []
+        state.num_committed_blocks = 0
+        state.num_computed_tokens = 0
+
+    # ---- invariants --------------------------------------------------------------------------------------------
+
+    def check(self, live_requests: Iterable[RequestState]) -> None:
+        """Assert the allocator's invariants and that each block's refcount equals the block tables holding it."""
+        holders = Counter(block for state in live_requests for block in state.block_table)
+        self.allocator.check()
+        self.allocator.check_holders(dict(holders))

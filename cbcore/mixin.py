@@ -1,0 +1,150 @@
+"""`ContinuousMixin` and `enable(model)`: transformers' continuous-batching entry points, served by cbcore.
+
+`enable(model)` binds `init_continuous_batching`, `continuous_batching_context_manager`, `generate_batch` and
+`destroy_cached_continuous_batching_manager` onto one model instance, with transformers 5.24's signatures, so code
+written for transformers' continuous batching runs unchanged on cbcore.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from collections.abc import Generator
+from contextlib import contextmanager
+
+import torch
+from tqdm.auto import tqdm
+from transformers import GenerationConfig
+from transformers.generation.continuous_batching.utils import WorkloadHints
+
+from .config import ContinuousBatchingConfig
+from .manager import ContinuousBatchingManager
+from .requests import GenerationOutput
+
+logger = logging.getLogger("cbcore")
+
+
+class ContinuousMixin:
+    """The three entry points of transformers' continuous batching, each built on the one before."""
+
+    @torch.no_grad()
+    def init_continuous_batching(
+        self,
+        generation_config: GenerationConfig | None = None,
+        continuous_batching_config: ContinuousBatchingConfig | None = None,
+        workload_hints: WorkloadHints | None = None,
+    ) -> ContinuousBatchingManager:
+        """A manager for this model (the cached one if `persistent_manager` kept one). Not started yet."""
+        cached = getattr(self, "_cached_continuous_batching_manager", None)
+        if isinstance(cached, ContinuousBatchingManager):
+            cached.switch_to_cb_friendly_attn(self)
+            return cached
+        gen_config = generation_config if generation_config is not None else self.generation_config
+        if gen_config is None:
+            raise ValueError("A GenerationConfig must be provided or set in the model.")
+        if continuous_batching_config is None:
+            continuous_batching_config = getattr(gen_config, "continuous_batching_config", None)
+        return ContinuousBatchingManager(self, gen_config, continuous_batching_config, workload_hints)
+
+    def destroy_cached_continuous_batching_manager(self) -> None:
+        """Destroy the manager kept by `persistent_manager=True`, if any."""
+        cached = getattr(self, "_cached_continuous_batching_manager", None)
+        if isinstance(cached, ContinuousBatchingManager):
+            cached.destroy()
+            del self._cached_continuous_batching_manager
+
+    @contextmanager
+    def continuous_batching_context_manager(
+        self,
+        generation_config: GenerationConfig | None = None,
+        block: bool = True,
+        timeout: float | None = None,
+        continuous_batching_config: ContinuousBatchingConfig | None = None,
+        persistent_manager: bool = False,
+        warmup: bool = True,
+        workload_hints: WorkloadHints | None = None,
+    ) -> Generator[ContinuousBatchingManager]:
+        """A started manager for the `with` block; stopped (and destroyed unless `persistent_manager`) on exit."""
+        manager = self.init_continuous_batching(generation_config, continuous_batching_config, workload_hints)
+        if warmup and not manager.warmed_up:
+            manager.warmup()
+        manager.start()
+        try:
+            yield manager
+        finally:
+            manager.stop(block=block, timeout=timeout, keep_for_next_session=persistent_manager)
+            if not persistent_manager:
+                manager.destroy()
+
+    @torch.no_grad()
+    def generate_batch(
+        self,
+        inputs: list[list[int]],
+        generation_config: GenerationConfig | None = None,
+        continuous_batching_config: ContinuousBatchingConfig | None = None,
+        record_timestamps: bool = False,
+        progress_bar: bool = False,
+        persistent_manager: bool = False,
+        warmup: bool = True,
+        **kwargs,
+    ) -> dict[str, GenerationOutput]:
+        """Generate for every prompt; returns `{request_id: GenerationOutput}` in input order (`req_0`, `req_1`, ...).
+
+        `max_new_tokens` may be passed as a keyword, as in transformers; any other keyword raises a TypeError
+        (transformers silently ignores them).
+        """
+        if not inputs:
+            return {}
+        max_new_tokens = kwargs.pop("max_new_tokens", None)
+        if kwargs:
+            raise TypeError(f"generate_batch got unexpected keyword arguments {sorted(kwargs)}")
+        gen_config = self.generation_config if generation_config is None else generation_config
+        max_new_tokens = gen_config.max_new_tokens if max_new_tokens is None else max_new_tokens
+        hints = WorkloadHints(
+            max_prompt_length=max(len(ids) for ids in inputs),
+            max_generated_length=max_new_tokens if max_new_tokens is not None else 0,
+            num_requests=len(inputs),
+        )
+        results: dict[str, GenerationOutput] = {}
+        request_ids: list[str] = []
+        with self.continuous_batching_context_manager(
+            generation_config=generation_config,
+            continuous_batching_config=continuous_batching_config,
+            block=True,
+            timeout=None,
+            persistent_manager=persistent_manager,
+            warmup=warmup,
+            workload_hints=hints,
+        ) as manager:
+            request_ids = manager.add_requests(inputs, max_new_tokens=max_new_tokens, record_timestamps=record_timestamps)
+            with tqdm(total=len(inputs), disable=not progress_bar, desc=f"Solving {len(inputs)} requests", unit="request") as bar:
+                while len(results) < len(request_ids):
+                    result = manager.get_result(timeout=1)
+                    if result is None:
+                        if not manager.is_running():
+                            logger.error("Generation thread terminated unexpectedly.")
+                            break
+                        continue
+                    if result.is_finished():
+                        results[result.request_id] = result
+                        bar.update(1)
+        ordered = {rid: results[rid] for rid in request_ids if rid in results}
+        failed = [rid for rid, out in ordered.items() if out.error is not None]
+        if failed:
+            logger.error(f"Requests {failed} failed during generation.")
+        return ordered
+
+
+_ENTRY_POINTS = (
+    "init_continuous_batching",
+    "destroy_cached_continuous_batching_manager",
+    "continuous_batching_context_manager",
+    "generate_batch",
+)
+
+
+def enable(model: torch.nn.Module) -> torch.nn.Module:
+    """Bind cbcore's continuous-batching entry points onto `model` (this instance only) and return it."""
+    for name in _ENTRY_POINTS:
+        setattr(model, name, types.MethodType(getattr(ContinuousMixin, name), model))
+    return model

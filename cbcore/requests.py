@@ -1,0 +1,179 @@
+"""Requests: the public `GenerationOutput` / `RequestStatus` and the engine's per-request `RequestState`.
+
+`GenerationOutput` and `RequestStatus` mirror transformers 5.24 (`transformers.generation.continuous_batching.requests`)
+field for field and value for value. cbcore adds one status, `CANCELLED = 5`: transformers emits nothing for a
+cancelled request, so a streaming reader waits forever (DESIGN.md §7).
+
+`RequestState` is the engine's view of one request. Its token bookkeeping is deliberately simple (nano-vllm style):
+`all_tokens` is the prompt followed by every generated token, and `num_computed_tokens` says how many of them already
+have their K/V in the cache. A prefill chunk, a prefix-cache hit, a decode step and a recompute after preemption are
+then the same thing: move `num_computed_tokens` forward.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+
+class RequestStatus(IntEnum):
+    """Status of a request through its lifecycle: transformers' values 0-4, plus `CANCELLED`."""
+
+    PENDING = 0
+    PREFILLING = 1
+    DECODING = 2
+    FINISHED = 3
+    FAILED = 4
+    CANCELLED = 5  # cbcore only: a cancelled request still gets one terminal output
+
+
+@dataclass
+class GenerationOutput:
+    """What a caller receives for a request: a snapshot (streaming) or the final result.
+
+    Same fields as transformers' `GenerationOutput`:
+        request_id: the request's id.
+        prompt_ids: the prompt's token ids.
+        generated_tokens: the tokens generated so far (all of them once the request is finished).
+        logprobs: log-probabilities of the generated tokens, when `return_logprobs` is on.
+        error: why the request failed, or None.
+        status: a `RequestStatus`.
+        created_time: `time.perf_counter()` when the request was created.
+        lifespan: (time the request left PENDING, time it ended), -1 where not reached.
+        timestamps: one `perf_counter()` stamp per generated token when `record_timestamps` was asked, else None.
+    """
+
+    request_id: str
+    prompt_ids: list[int] = field(default_factory=list)
+    generated_tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    error: str | None = None
+    status: RequestStatus = RequestStatus.PENDING
+    created_time: float = field(default_factory=time.perf_counter)
+    lifespan: tuple[float, float] = (-1, -1)
+    timestamps: list[float] | None = None
+
+    def is_finished(self) -> bool:
+        """Whether the request reached a terminal state (finished, failed or cancelled)."""
+        return self.status >= RequestStatus.FINISHED
+
+
+# Stand-in for "no limit" so that the hot path compares ints instead of checking for None (as transformers does).
+NO_TOKEN_LIMIT = 2**31 - 1
+
+
+@dataclass(eq=False)
+class RequestState:
+    """The engine's state of one request. Owned by the manager's loop thread; never touched by other threads.
+
+    Public fields follow transformers' `RequestState` where they mean the same thing (`request_id`,
+    `initial_tokens`, `max_new_tokens`, `eos_token_id`, `streaming`, `record_timestamps`, `generated_tokens`,
+    `logprobs`, `error`, `created_time`, `lifespan`, `num_children`, `logit_processor_kwargs`).
+    """
+
+    request_id: str
+    initial_tokens: list[int]
+    max_new_tokens: int | None = 20
+    eos_token_id: int | list[int] | None = None
+    streaming: bool = False
+    record_timestamps: bool = False
+    num_children: int = 0
+    logit_processor_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    generated_tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    error: str | None = None
+    created_time: float = field(default_factory=time.perf_counter)
+    lifespan: tuple[float, float] = (-1, -1)
+    _status: RequestStatus = RequestStatus.PENDING
+    _timestamps: list[float] = field(default_factory=list)
+
+    # --- engine bookkeeping (see the module docstring) ---
+    # Prompt followed by the generated tokens; the model consumes these.
+    all_tokens: list[int] = field(default_factory=list)
+    # How many tokens of `all_tokens` have their K/V written in the cache.
+    num_computed_tokens: int = 0
+    # Physical block ids holding this request's K/V, in token order; token t lives in block_table[t // page_size].
+    block_table: list[int] = field(default_factory=list)
+    # How many leading blocks of `block_table` have been offered to the prefix cache (full blocks only).
+    num_committed_blocks: int = 0
+    # Prompt tokens that came from the prefix cache at the last admission (not recomputed).
+    num_prefix_hit_tokens: int = 0
+    # How many times this request was preempted (its blocks freed and its tokens recomputed later).
+    num_preemptions: int = 0
+    # Monotonic admission stamp: the scheduler preempts the most recently admitted request first.
+    admission_order: int = -1
+    # Set of EOS ids (transformers ignores negative ids).
+    eos_token_ids: frozenset[int] = frozenset()
+    new_tokens_limit: int = NO_TOKEN_LIMIT
+
+    def __post_init__(self) -> None:
+        self.all_tokens = list(self.initial_tokens)
+        self.new_tokens_limit = NO_TOKEN_LIMIT if self.max_new_tokens is None else self.max_new_tokens
+        if self.eos_token_id is None:
+            eos: list[int] = []
+        elif isinstance(self.eos_token_id, int):
+            eos = [self.eos_token_id]
+        else:
+            eos = list(self.eos_token_id)
+        self.eos_token_ids = frozenset(t for t in eos if t >= 0)
+
+    @property
+    def status(self) -> RequestStatus:
+        """The request's status; leaving PENDING and reaching a terminal state stamp `lifespan`."""
+        return self._status
+
+    @status.setter
+    def status(self, value: RequestStatus) -> None:
+        now = time.perf_counter()
+        if self._status == RequestStatus.PENDING and value != RequestStatus.PENDING:
+            self.lifespan = (now, -1)
+        if value >= RequestStatus.FINISHED:
+            self.lifespan = (self.lifespan[0], now)
+        self._status = value
+
+    @property
+    def timestamps(self) -> list[float] | None:
+        """Per-token timestamps when `record_timestamps` was asked, else None."""
+        return self._timestamps if self.record_timestamps else None
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.all_tokens)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose K/V is not in the cache yet: the rest of the prompt, or the last generated token."""
+        return len(self.all_tokens) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        """Whether the request reached a terminal status."""
+        return self._status >= RequestStatus.FINISHED
+
+    def append_token(self, token_id: int, logprob: float | None) -> bool:
+        """Record a generated token; return True when the request is now complete (EOS or max_new_tokens)."""
+        if self.record_timestamps:
+            self._timestamps.append(time.perf_counter())
+        self.generated_tokens.append(token_id)
+        self.all_tokens.append(token_id)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        return token_id in self.eos_token_ids or len(self.generated_tokens) >= self.new_tokens_limit
+
+    def to_generation_output(self) -> GenerationOutput:
+        """A snapshot for the caller; lists are copied so later steps never change what was delivered."""
+        return GenerationOutput(
+            request_id=self.request_id,
+            prompt_ids=list(self.initial_tokens),
+            generated_tokens=list(self.generated_tokens),
+            logprobs=list(self.logprobs),
+            error=self.error,
+            status=self._status,
+            created_time=self.created_time,
+            lifespan=self.lifespan,
+            timestamps=list(self._timestamps) if self.record_timestamps else None,
+        )

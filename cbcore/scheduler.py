@@ -1,0 +1,224 @@
+"""Scheduling: which requests run this step, how many tokens each, and which blocks they get.
+
+The scheduler decides and touches no tensors. Its output, a `ScheduledBatch`, says for each request how many of its
+uncomputed tokens run this step; the runner turns that into tensors. A prefill chunk, the rest of a prompt after a
+prefix-cache hit, a decode step and the recompute of a preempted request are all "run the next n tokens".
+
+Budgets per step: query tokens (`max_batch_tokens`, long prompts are split: chunked prefill), requests
+(`max_requests_per_batch`), and free blocks. When a running request needs a block and none is free, the allocator
+first evicts cached blocks nobody uses (LRU); if that is not enough, the most recently admitted request is preempted:
+its blocks are released and it goes back to the head of the queue, to be recomputed (prompt + generated so far) later,
+with unchanged output.
+
+Two orders, as in transformers: "fifo" runs decodes first, then unfinished prefills, then new requests;
+"prefill_first" runs unfinished prefills first, then decodes, then new requests. New requests are admitted in
+arrival order; the head of the queue is never overtaken, so a large request cannot starve.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .cache import PagedKVCache
+from .requests import RequestState, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: run `num_tokens` tokens starting at its `num_computed_tokens`."""
+
+    state: RequestState
+    num_tokens: int
+
+    @property
+    def emits_token(self) -> bool:
+        """Whether this step reaches the end of the request's known tokens, so its last row yields the next token."""
+        return self.state.num_computed_tokens + self.num_tokens == self.state.num_tokens
+
+
+@dataclass
+class ScheduledBatch:
+    """The scheduler's decision for one step."""
+
+    requests: list[ScheduledRequest] = field(default_factory=list)
+    # Requests preempted while making room this step (already back in the waiting queue).
+    preempted: list[RequestState] = field(default_factory=list)
+    # Requests that hit the cache's capacity on their own: they end now (finished, bounded by the cache).
+    capped: list[RequestState] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        """Query tokens in the step."""
+        return sum(item.num_tokens for item in self.requests)
+
+
+class SchedulingOrder:
+    """Policy: the order in which running requests get the step's budget."""
+
+    name = "base"
+    default_safety_margin = 0.0
+
+    def running_order(self, running: list[RequestState]) -> list[RequestState]:
+        """Running requests in the order they should be served."""
+        raise NotImplementedError
+
+
+class FifoOrder(SchedulingOrder):
+    """Decoding requests first (their latency), then unfinished prefills; arrival order within each."""
+
+    name = "fifo"
+    default_safety_margin = 0.15  # transformers' FIFOScheduler default
+
+    def running_order(self, running: list[RequestState]) -> list[RequestState]:
+        return [s for s in running if not _is_prefilling(s)] + [s for s in running if _is_prefilling(s)]
+
+
+class PrefillFirstOrder(SchedulingOrder):
+    """Unfinished prefills first (time to first token), then decoding requests."""
+
+    name = "prefill_first"
+    default_safety_margin = 0.0  # transformers' PrefillFirstScheduler default
+
+    def running_order(self, running: list[RequestState]) -> list[RequestState]:
+        return [s for s in running if _is_prefilling(s)] + [s for s in running if not _is_prefilling(s)]
+
+
+SCHEDULING_ORDERS: dict[str, type[SchedulingOrder]] = {"fifo": FifoOrder, "prefill_first": PrefillFirstOrder}
+
+
+def _is_prefilling(state: RequestState) -> bool:
+    return state.num_uncomputed_tokens > 1 or not state.generated_tokens
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; produces one `ScheduledBatch` per step."""
+
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        order: SchedulingOrder,
+        max_batch_tokens: int,
+        max_requests_per_batch: int,
+        safety_margin: float | None = None,
+    ) -> None:
+        self.cache = cache
+        self.order = order
+        self.max_batch_tokens = max_batch_tokens
+        self.max_requests_per_batch = max_requests_per_batch
+        self.safety_margin = order.default_safety_margin if safety_margin is None else safety_margin
+        self.waiting: deque[RequestState] = deque()
+        self.running: list[RequestState] = []  # in admission order: the last one is preempted first
+        self._admissions = 0
+        # Counters, read by tests and benchmarks.
+        self.num_prefix_hit_tokens = 0
+        self.num_preemptions = 0
+
+    # ---- queue management --------------------------------------------------------------------------------------
+
+    def add(self, state: RequestState) -> None:
+        """Queue a validated request."""
+        self.waiting.append(state)
+
+    def has_work(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def live_requests(self) -> list[RequestState]:
+        """Every request the scheduler holds."""
+        return list(self.waiting) + self.running
+
+    def finish(self, state: RequestState) -> None:
+        """Forget a request that ended (finished, failed, cancelled) and release its blocks."""
+        if state in self.running:
+            self.running.remove(state)
+        elif state in self.waiting:
+            self.waiting.remove(state)
+        self.cache.release(state)
+
+    # ---- the step ----------------------------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch:
+        """Choose this step's requests and token counts, allocating (or preempting for) the blocks they need."""
+        batch = ScheduledBatch()
+        token_budget = self.max_batch_tokens
+        scheduled: set[int] = set()  # ids of states already in the batch: never chosen as preemption victims
+
+        for state in self.order.running_order(self.running):
+            if token_budget == 0 or len(batch.requests) == self.max_requests_per_batch:
+                break
+            if state not in self.running:  # preempted earlier in this loop
+                continue
+            num_tokens = min(state.num_uncomputed_tokens, token_budget)
+            if not self._make_room(state, state.num_computed_tokens + num_tokens, scheduled, batch):
+                continue
+            batch.requests.append(ScheduledRequest(state, num_tokens))
+            scheduled.add(id(state))
+            token_budget -= num_tokens
+
+        self._admit_waiting(batch, token_budget, scheduled)
+        return batch
+
+    def _admit_waiting(self, batch: ScheduledBatch, token_budget: int, scheduled: set[int]) -> None:
+        """Admit queued requests in arrival order while budgets last; the head is never overtaken."""
+        while self.waiting and token_budget > 0 and len(batch.requests) < self.max_requests_per_batch:
+            if batch.requests and not self._within_safety_margin():
+                break  # keep headroom for the running requests' growth
+            state = self.waiting[0]
+            hit_tokens = self.cache.match_prefix(state)
+            num_tokens = min(state.num_uncomputed_tokens, token_budget)
+            if not self.cache.can_grow(state, state.num_computed_tokens + num_tokens):
+                self.cache.release(state)  # give back the shared prefix blocks; try again next step
+                break
+            self.cache.grow(state, state.num_computed_tokens + num_tokens)
+            self.waiting.popleft()
+            self.num_prefix_hit_tokens += hit_tokens
+            state.num_prefix_hit_tokens = hit_tokens
+            state.admission_order = self._admissions
+            self._admissions += 1
+            if state.status == RequestStatus.PENDING:
+                state.status = RequestStatus.PREFILLING
+            self.running.append(state)
+            batch.requests.append(ScheduledRequest(state, num_tokens))
+            scheduled.add(id(state))
+            token_budget -= num_tokens
+
+    def _within_safety_margin(self) -> bool:
+        available = self.cache.allocator.num_available
+        return available >= self.safety_margin * self.cache.num_blocks
+
+    def _make_room(self, state: RequestState, num_tokens: int, scheduled: set[int], batch: ScheduledBatch) -> bool:
+        """Grow `state` to `num_tokens` tokens, preempting the most recently admitted unscheduled requests if needed.
+
+        Returns False when `state` cannot run this step; it is then either preempted itself (others hold the
+        blocks) or, when it alone exceeds the whole cache, capped (it ends, bounded by the cache's capacity).
+        """
+        while not self.cache.can_grow(state, num_tokens):
+            victim = next((r for r in reversed(self.running) if r is not state and id(r) not in scheduled), None)
+            if victim is None:
+                break
+            self._preempt(victim, batch)
+        if self.cache.can_grow(state, num_tokens):
+            self.cache.grow(state, num_tokens)
+            return True
+        if len(self.running) == 1 and not scheduled:
+            self.running.remove(state)
+            batch.capped.append(state)
+        else:
+            self._preempt(state, batch)
+        return False
+
+    def _preempt(self, state: RequestState, batch: ScheduledBatch) -> None:
+        """Release a running request's blocks and queue it first, to be recomputed from its tokens so far."""
+        self.running.remove(state)
+        self.cache.release(state)
+        state.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(state)
+        batch.preempted.append(state)
+
+    def on_step_done(self, batch: ScheduledBatch) -> None:
+        """Advance every scheduled request past the tokens it just computed and cache its completed blocks."""
+        for item in batch.requests:
+            item.state.num_computed_tokens += item.num_tokens
+            self.cache.commit_full_blocks(item.state)
