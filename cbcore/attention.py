@@ -6,22 +6,44 @@ pages: the decode rows (one query token per request, packed first) through `ops.
 through `ops.prefill_attention`. All batch metadata comes from the `StepMetadata` the runner built once for the step
 and passed through the forward's kwargs (transformers hands unknown kwargs down to the attention function unchanged).
 
-The mask function registered under the same name returns None, so transformers never builds an attention mask.
+The mask function registered under the same name returns None during cbcore's steps, so transformers never builds
+an attention mask for them.
+
+Outside cbcore's steps (a user's own forward, `model.generate`, a training step while a manager is attached) both
+functions behave exactly like transformers' "sdpa": the model stays usable while cbcore holds it. The runner marks
+its forward with `paged_step()`, a thread-local flag, because transformers calls the mask function without the
+forward's kwargs.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import ops
 
 ATTENTION_NAME = "cbcore_paged"
 STEP_KWARG = "cbcore_step"
+
+_in_paged_step = threading.local()
+
+
+@contextmanager
+def paged_step() -> Iterator[None]:
+    """Mark the current thread's forward as a cbcore step (no mask is built; attention goes to the pages)."""
+    _in_paged_step.active = True
+    try:
+        yield
+    finally:
+        _in_paged_step.active = False
 
 
 @dataclass
@@ -55,12 +77,9 @@ def paged_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention signature: query `[1, heads, T, d]`, key/value `[1, kv_heads, T, d]` -> `[1, T, heads, d]`."""
-    step: StepMetadata | None = kwargs.get(STEP_KWARG)
-    if step is None:
-        raise RuntimeError(
-            f"the model's attention is set to {ATTENTION_NAME!r} but the forward was called without cbcore's step "
-            "metadata; this implementation only serves cbcore's runner (restore the model's attention first)"
-        )
+    step: StepMetadata | None = kwargs.pop(STEP_KWARG, None)
+    if step is None:  # not one of cbcore's steps: behave exactly like transformers' sdpa
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if attention_mask is not None:
         raise RuntimeError("cbcore's paged attention expects no attention mask; its mask function must return None")
     layer = module.layer_idx
@@ -94,9 +113,11 @@ def paged_attention(
     return out.unsqueeze(0), None
 
 
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    """cbcore's attention masks inside the kernels (causal, bottom-right aligned, sliding window)."""
-    return None
+def _mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """No mask in cbcore's steps (the kernels mask: causal, bottom-right aligned, sliding window); sdpa's otherwise."""
+    if getattr(_in_paged_step, "active", False):
+        return None
+    return sdpa_mask(*args, **kwargs)
 
 
 _registered = False
@@ -107,6 +128,6 @@ def register() -> str:
     global _registered
     if not _registered:
         AttentionInterface.register(ATTENTION_NAME, paged_attention)
-        AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+        AttentionMaskInterface.register(ATTENTION_NAME, _mask)
         _registered = True
     return ATTENTION_NAME

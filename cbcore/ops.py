@@ -1,5 +1,5 @@
-"""One Python face per kernel (DESIGN.md §5). Each op dispatches to an implementation; today only the plain-torch
-reference exists, and the kernels of the kernels issue plug in behind the same functions.
+"""One Python face per kernel (DESIGN.md §5). Today each op runs its plain-torch reference; the C++/CUDA/Triton
+kernels of the kernels issue plug in behind the same functions, chosen by device.
 
 Shapes (every implementation takes exactly these flat tensors, nothing else):
     k_cache, v_cache: [num_blocks, page_size, num_kv_heads, head_dim], one pair per layer
@@ -14,22 +14,8 @@ A sliding window w lets query position p see key positions k with p - w < k <= p
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
-
-# "reference" forces the plain-torch path everywhere (for debugging); "auto" picks the fastest available.
-KERNELS_ENV = "CBCORE_KERNELS"
-_KNOWN_BACKENDS = ("auto", "reference")
-
-
-def kernel_backend() -> str:
-    """The backend chosen through the CBCORE_KERNELS environment variable ("auto" when unset)."""
-    backend = os.environ.get(KERNELS_ENV, "auto")
-    if backend not in _KNOWN_BACKENDS:
-        raise ValueError(f"{KERNELS_ENV}={backend!r} is not one of {_KNOWN_BACKENDS}")
-    return backend
 
 
 def cache_write(

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import STEP_KWARG, StepMetadata
+from .attention import STEP_KWARG, StepMetadata, paged_step
 from .cache import PagedKVCache
 from .sampling import Sampler
 from .scheduler import ScheduledBatch, ScheduledRequest
@@ -93,13 +93,14 @@ class ModelRunner:
         input_ids, position_ids, step, emit_rows, emitted = self.prepare(batch)
         # logits_to_keep needs at least one row; a step of mid-prompt chunks keeps the last row and discards it.
         rows_to_keep = emit_rows if emit_rows else [input_ids.shape[1] - 1]
-        output = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            use_cache=False,
-            logits_to_keep=torch.tensor(rows_to_keep, dtype=torch.long, device=self.device),
-            **{STEP_KWARG: step},
-        )
+        with paged_step():
+            output = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                use_cache=False,
+                logits_to_keep=torch.tensor(rows_to_keep, dtype=torch.long, device=self.device),
+                **{STEP_KWARG: step},
+            )
         if not emitted:
             return StepResult([], [], None)
         logits = output.logits[0]

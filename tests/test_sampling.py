@@ -1,0 +1,58 @@
+"""Sampling: seeded runs reproduce, logits processors built from the GenerationConfig apply with each request's
+own history, and log-probabilities come with the tokens when asked."""
+
+from __future__ import annotations
+
+import math
+
+from transformers import GenerationConfig
+
+import cbcore
+from conftest import random_prompts, reference_tokens, run_engine, tiny_model
+
+
+def sampled_config(**kwargs) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=8, do_sample=True, eos_token_id=None, pad_token_id=0, **kwargs)
+
+
+def test_sampling_with_the_same_seed_is_reproducible() -> None:
+    model = tiny_model("llama_gqa")
+    prompts = random_prompts([3, 9, 14], seed=30)
+    config = sampled_config(temperature=1.3, top_k=20)
+    runs = [
+        run_engine(model, prompts, config, cbcore.ContinuousBatchingConfig(page_size=4, seed=123))[0]
+        for _ in range(2)
+    ]
+    assert [o.generated_tokens for o in runs[0].values()] == [o.generated_tokens for o in runs[1].values()]
+    greedy = run_engine(model, prompts, GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None),
+                        cbcore.ContinuousBatchingConfig(page_size=4))[0]
+    assert [o.generated_tokens for o in runs[0].values()] != [o.generated_tokens for o in greedy.values()]
+
+
+def test_top_k_one_sampling_equals_greedy() -> None:
+    model = tiny_model("qwen2")
+    prompts = random_prompts([5, 12], seed=31)
+    outputs, _ = run_engine(model, prompts, sampled_config(top_k=1), cbcore.ContinuousBatchingConfig(page_size=4))
+    greedy = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    for prompt, output in zip(prompts, outputs.values()):
+        assert output.generated_tokens == reference_tokens(model, prompt, greedy)
+
+
+def test_history_aware_processor_sees_each_requests_own_history() -> None:
+    model = tiny_model("llama_gqa")
+    prompts = random_prompts([6, 15, 2], seed=32)
+    config = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0,
+                              repetition_penalty=1.8, no_repeat_ngram_size=2)
+    outputs, _ = run_engine(model, prompts, config, cbcore.ContinuousBatchingConfig(page_size=4))
+    for prompt, output in zip(prompts, outputs.values()):
+        assert output.generated_tokens == reference_tokens(model, prompt, config)
+
+
+def test_logprobs_are_returned_when_asked() -> None:
+    model = tiny_model("llama_gqa")
+    prompts = random_prompts([7], seed=33)
+    config = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
+    outputs, _ = run_engine(model, prompts, config, cbcore.ContinuousBatchingConfig(page_size=4, return_logprobs=True))
+    output = outputs["req_0"]
+    assert len(output.logprobs) == len(output.generated_tokens) == 5
+    assert all(lp <= 0 and math.isfinite(lp) for lp in output.logprobs)
