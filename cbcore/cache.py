@@ -29,7 +29,7 @@ from .requests import RequestState
 
 # On a CPU the KV cache lives in the same RAM as everything else; never take more than this by default, so a small
 # model on a laptop-sized machine cannot push it into swap (transformers takes 60% of free RAM on CPU).
-CPU_CACHE_CAP_BYTES = 512 * 2**20
+CPU_CACHE_CAP_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,9 @@ class PagedKVCache:
     def release(self, state: RequestState) -> None:
         """Drop the request's references; its computed K/V is forgotten (hashed blocks stay cached until evicted)."""
         if state.block_table:
-            self.allocator.free(state.block_table)
+            # Tail first: the allocator appends each released hashed block to the LRU list, so the request's first
+            # blocks (the prefix most likely shared by the next request) become the last to be evicted.
+            self.allocator.free(state.block_table[::-1])
         state.block_table = []
         state.num_committed_blocks = 0
         state.num_computed_tokens = 0

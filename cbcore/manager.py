@@ -144,8 +144,15 @@ class ContinuousBatchingManager:
             max_requests_per_batch=max_requests,
             safety_margin=cfg.safety_margin,
         )
-        processors = self.model._get_logits_processor(self.generation_config)
-        sampler = Sampler(self.generation_config, processors, cfg.return_logprobs, cfg.seed)
+        # Build processors from the config exactly as `model.generate` prepares it: unset values filled from the
+        # model's generation config and global defaults, special tokens as tensors (min_new_tokens needs them).
+        generation_config, _ = self.model._prepare_generation_config(self.generation_config)
+        self.model._prepare_special_tokens(generation_config, kwargs_has_attention_mask=True, device=device)
+
+        def processors_for_prompt(prompt_length: int):
+            return self.model._get_logits_processor(generation_config, input_ids_seq_length=prompt_length, device=device)
+
+        sampler = Sampler(generation_config, processors_for_prompt, cfg.return_logprobs, cfg.seed)
         self.runner = ModelRunner(self.model, self.cache, sampler)
         # Record the resolved values, as transformers does after creating its cache.
         cfg.num_blocks, cfg.max_batch_tokens, cfg.max_requests_per_batch = num_blocks, max_batch_tokens, max_requests

@@ -104,5 +104,7 @@ class ModelRunner:
         if not emitted:
             return StepResult([], [], None)
         logits = output.logits[0]
-        tokens, logprobs = self.sampler.sample(logits, [item.state.all_tokens for item in emitted])
+        tokens, logprobs = self.sampler.sample(
+            logits, [item.state.all_tokens for item in emitted], [len(item.state.initial_tokens) for item in emitted]
+        )
         return StepResult(emitted, tokens, logprobs)

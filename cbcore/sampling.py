@@ -1,15 +1,21 @@
 """Turning the logits of the rows that emit a token into tokens (and log-probabilities).
 
-Logits processors come from the model's own `_get_logits_processor(generation_config)`, exactly what
-`model.generate` builds. They are applied row by row with that request's own history (prompt + generated tokens)
-as `input_ids`, so history-aware processors (repetition penalty, no-repeat n-gram, ...) see the real history rather
-than a batch-shaped stand-in. With no processors (plain greedy, the common case) no per-row work is done at all.
+Logits processors come from the model's own `_get_logits_processor(generation_config, input_ids_seq_length)`,
+exactly what `model.generate` builds for a prompt of that length (processors such as min_new_tokens count from the
+prompt's end, so they are built per prompt length and cached). They are applied row by row with that request's own
+history (prompt + generated tokens) as `input_ids`, so history-aware processors (repetition penalty, no-repeat n-gram,
+...) see the real history rather than a batch-shaped stand-in. With no processors (plain greedy, the common case) no
+per-row work is done at all.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
+
+ProcessorFactory = Callable[[int], LogitsProcessorList]
 
 
 class Sampler:
@@ -18,12 +24,15 @@ class Sampler:
     def __init__(
         self,
         generation_config: GenerationConfig,
-        processors: LogitsProcessorList,
+        processor_factory: ProcessorFactory,
         return_logprobs: bool = False,
         seed: int | None = None,
     ) -> None:
+        """`processor_factory(prompt_length)` builds the processors `model.generate` would use for that prompt."""
         self.do_sample = bool(generation_config.do_sample)
-        self.processors = processors
+        self._processor_factory = processor_factory
+        self._processors_by_prompt_length: dict[int, LogitsProcessorList] = {}
+        self.has_processors = len(processor_factory(1)) > 0
         self.return_logprobs = return_logprobs
         self.generator = torch.Generator()
         if seed is not None:
@@ -31,14 +40,25 @@ class Sampler:
         else:
             self.generator.seed()
 
-    def sample(self, logits: torch.Tensor, histories: list[list[int]]) -> tuple[list[int], list[float] | None]:
-        """Pick one token per row of `logits` `[rows, vocab]`; `histories[i]` is row i's prompt + generated tokens."""
+    def processors_for(self, prompt_length: int) -> LogitsProcessorList:
+        """The processors for a prompt of this length (built once per length)."""
+        processors = self._processors_by_prompt_length.get(prompt_length)
+        if processors is None:
+            processors = self._processor_factory(prompt_length)
+            self._processors_by_prompt_length[prompt_length] = processors
+        return processors
+
+    def sample(
+        self, logits: torch.Tensor, histories: list[list[int]], prompt_lengths: list[int]
+    ) -> tuple[list[int], list[float] | None]:
+        """Pick one token per row of `logits` `[rows, vocab]`; `histories[i]` is row i's prompt + generated tokens
+        and `prompt_lengths[i]` the length of its prompt."""
         scores = logits.float()
-        if len(self.processors):
+        if self.has_processors:
             rows = []
-            for row, history in enumerate(histories):
+            for row, (history, prompt_length) in enumerate(zip(histories, prompt_lengths)):
                 input_ids = torch.tensor([history], dtype=torch.long, device=scores.device)
-                rows.append(self.processors(input_ids, scores[row : row + 1]))
+                rows.append(self.processors_for(prompt_length)(input_ids, scores[row : row + 1]))
             scores = torch.cat(rows, dim=0)
         if self.do_sample:
             probs = torch.softmax(scores, dim=-1).cpu()

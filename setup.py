@@ -1,0 +1,115 @@
+"""Build and install cbcore.
+
+The C++ extension `cbcore._C` (block allocator and its bindings) is always built; CUDA extensions are added by
+`cuda_extensions()` when torch has CUDA and nvcc is found. torch is needed at build time, so install without build
+isolation (an isolated build would download a second torch):
+
+    export CUDA_HOME=/usr/local/cuda          # torch's own guess (from `which nvcc`) can point at the wrong prefix
+    pip install --no-build-isolation -e .     # development install
+    pip install --no-build-isolation .        # regular install
+"""
+
+import os
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).resolve().parent
+CSRC = ROOT / "csrc"
+
+# torch.utils.cpp_extension reads CUDA_HOME once, on import. When it is unset torch derives it from `which nvcc`,
+# which on machines with a /usr/local/bin/nvcc wrapper gives /usr/local, where the CUDA libraries are not. Prefer
+# the standard toolkit prefix when it exists; an explicit CUDA_HOME always wins.
+if "CUDA_HOME" not in os.environ and Path("/usr/local/cuda/bin/nvcc").exists():
+    os.environ["CUDA_HOME"] = "/usr/local/cuda"
+
+import torch  # noqa: E402  (after CUDA_HOME is settled)
+from torch.utils import cpp_extension  # noqa: E402
+
+CXX_FLAGS = ["-O3", "-std=c++17"]
+
+
+def read_version() -> str:
+    """`__version__` from cbcore/__init__.py, read as text so that building never imports the package."""
+    text = (ROOT / "cbcore" / "__init__.py").read_text(encoding="utf-8")
+    match = re.search(r"""^__version__\s*=\s*["']([^"']+)["']""", text, re.MULTILINE)
+    if match is None:
+        raise RuntimeError("cbcore/__init__.py does not define __version__")
+    return match.group(1)
+
+
+def relative_sources(*patterns: str) -> list[str]:
+    """Sources matching the glob patterns under csrc/, as sorted paths relative to the repo (setuptools wants those)."""
+    found = {path for pattern in patterns for path in CSRC.glob(pattern)}
+    return sorted(str(path.relative_to(ROOT)) for path in found)
+
+
+def cpp_extensions() -> list:
+    """`cbcore._C`: the allocator and the Python bindings; built on every machine."""
+    return [
+        cpp_extension.CppExtension(
+            name="cbcore._C",
+            sources=relative_sources("bindings.cpp", "allocator/*.cpp"),
+            include_dirs=[str(CSRC)],
+            extra_compile_args={"cxx": CXX_FLAGS},
+        )
+    ]
+
+
+def cuda_available_for_build() -> bool:
+    """True when torch was built with CUDA and nvcc is found under CUDA_HOME (no GPU is needed to compile)."""
+    cuda_home = cpp_extension.CUDA_HOME
+    return bool(torch.version.cuda) and cuda_home is not None and Path(cuda_home, "bin", "nvcc").exists()
+
+
+# ---- CUDA extensions hook --------------------------------------------------------------------------------------------
+# `cbcore._cuda` (paged decode attention, cache writes, swap copies) will be returned from here as a
+# cpp_extension.CUDAExtension over csrc/**/*.cu, with nvcc flags such as -O3 and --use_fast_math. No .cu sources
+# exist yet, so the list is empty; the engine must keep working when this module is absent.
+def cuda_extensions() -> list:
+    """CUDA extensions to build; empty until the first .cu sources land (or when CUDA is unavailable)."""
+    if not cuda_available_for_build():
+        return []
+    return []
+
+
+def package_dirs() -> tuple[list[str], dict[str, str]]:
+    """cbcore's packages, plus top-level triton_kernels/ installed as `cbcore.triton_kernels` when it exists.
+
+    It is never installed as a top-level `triton_kernels`: that name belongs to other projects (Triton ships one).
+    """
+    packages = find_packages(include=["cbcore", "cbcore.*"])
+    package_dir: dict[str, str] = {}
+    if (ROOT / "triton_kernels").is_dir():
+        packages.append("cbcore.triton_kernels")
+        package_dir["cbcore.triton_kernels"] = "triton_kernels"
+        # Subpackages of triton_kernels/ follow the same mapping.
+        for sub in find_packages(where="triton_kernels"):
+            packages.append(f"cbcore.triton_kernels.{sub}")
+            package_dir[f"cbcore.triton_kernels.{sub}"] = f"triton_kernels/{sub.replace('.', '/')}"
+    return packages, package_dir
+
+
+PACKAGES, PACKAGE_DIR = package_dirs()
+
+setup(
+    name="cbcore",
+    version=read_version(),
+    description="Continuous batching for Hugging Face causal language models, with C++/CUDA and Triton hot paths",
+    long_description=(ROOT / "README.md").read_text(encoding="utf-8") if (ROOT / "README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=PACKAGES,
+    package_dir=PACKAGE_DIR,
+    ext_modules=cpp_extensions() + cuda_extensions(),
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    install_requires=[
+        "torch==2.14.1",
+        "transformers==5.24.0",
+        "tqdm",
+        "numpy",
+        "psutil",
+    ],
+    zip_safe=False,
+)
