@@ -164,6 +164,27 @@ class PagedKVCache:
             self.allocator.commit(state.block_table[index], parent, state.all_tokens[index * page : (index + 1) * page])
         state.num_committed_blocks = max(state.num_committed_blocks, num_full)
 
+    def blocks_to_fork(self, parent: RequestState) -> int:
+        """Fresh blocks one child needs at fork time: a copy of the parent's partial last block, if any."""
+        return 1 if parent.num_computed_tokens % self.page_size else 0
+
+    def fork(self, parent: RequestState, child: RequestState) -> None:
+        """Give `child` the parent's computed K/V: full blocks shared (refcount + 1), a partial last block copied
+        into a fresh block (copy on write: both will append different tokens to it)."""
+        num_full = parent.num_computed_tokens // self.page_size
+        shared = parent.block_table[:num_full]
+        if shared:
+            self.allocator.fork(shared)
+        child.block_table = list(shared)
+        if self.blocks_to_fork(parent):
+            source = parent.block_table[num_full]
+            (copy,) = self.allocator.allocate(1)
+            for cache in self.key_caches + self.value_caches:
+                cache[copy].copy_(cache[source])
+            child.block_table.append(copy)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_committed_blocks = min(parent.num_committed_blocks, num_full)
+
     def release(self, state: RequestState) -> None:
         """Drop the request's references; its computed K/V is forgotten (hashed blocks stay cached until evicted)."""
         if state.block_table:

@@ -34,11 +34,13 @@ class ContinuousBatchingConfig(_TransformersCBConfig):
         scheduler_type: "fifo" (decodes first) or "prefill_first".
         safety_margin: share of blocks kept free before admitting new prefills (fifo default 0.15, prefill_first 0.0
             as in transformers).
-        return_logprobs, seed, max_queue_size: as in transformers.
+        return_logprobs, seed, max_queue_size, per_request_processors: as in transformers.
+        drop_unsupported_processors: cbcore applies every logits processor `model.generate` builds (with each
+            request's real history), so there is nothing to drop; accepted for compatibility.
         auto_switch_to_flash, disable_nccl_graph_mixing, cpu_group_timeout: accepted; cbcore always runs its own paged
             attention in a single process, so they have no effect.
         use_cuda_graph, q/kv_padding_interval_size, varlen/decode_compile_config, default_compile_level,
-            use_async_batching, cpu_offload_space, per_request_processors: not supported yet; asking for them raises
+            use_async_batching, cpu_offload_space: not supported yet; asking for them raises
             NotImplementedError (see `check_supported`) rather than being ignored.
     """
 
@@ -100,8 +102,6 @@ class ContinuousBatchingConfig(_TransformersCBConfig):
                 "cpu_offload_space (swap to host) is not supported yet; preempted requests are recomputed. "
                 "Leave cpu_offload_space=0.0"
             )
-        if self.per_request_processors:
-            raise NotImplementedError("per_request_processors=True is not supported yet")
 
 
 def as_cbcore_config(config: _TransformersCBConfig | None) -> ContinuousBatchingConfig:

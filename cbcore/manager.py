@@ -11,11 +11,14 @@ the differences are listed in the README and DESIGN.md §7.
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import logging
 import queue
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -37,6 +40,8 @@ logger = logging.getLogger("cbcore")
 DEFAULT_MAX_BATCH_TOKENS = {"cpu": 1024, "cuda": 8192}
 FALLBACK_MAX_REQUESTS_PER_BATCH = 1024  # transformers' fallback
 CPU_MAX_MEMORY_PERCENT = 0.6  # transformers' default on CPU; cbcore also caps the bytes (cache.CPU_CACHE_CAP_BYTES)
+# How long add_request waits for room in a full input queue (max_queue_size) before raising queue.Full, as transformers.
+ADD_REQUEST_TIMEOUT_S = 10.0
 
 
 class _StopMode:
@@ -70,10 +75,8 @@ class ContinuousBatchingManager:
         self.workload_hints = workload_hints
         self.model = model.eval()
         self.continuous_batching_config.check_supported(model.device)
-        num_return_sequences = getattr(self.generation_config, "num_return_sequences", None) or 1
-        if num_return_sequences != 1:
-            raise NotImplementedError("num_return_sequences > 1 is not supported yet")
-        self.num_return_sequences = 1
+        num_return_sequences = getattr(self.generation_config, "num_return_sequences", None)
+        self.num_return_sequences = num_return_sequences if num_return_sequences is not None else 1
 
         self.input_queue: queue.Queue[RequestState] = queue.Queue(
             maxsize=self.continuous_batching_config.max_queue_size
@@ -86,6 +89,11 @@ class ContinuousBatchingManager:
         self._stop_mode = _StopMode.RUNNING
         self._generation_thread: threading.Thread | None = None
         self._fatal_error: BaseException | None = None
+        # Pause: callers hold it (a count, several at once); the loop parks at a step boundary while it is held.
+        self._pause_cond = threading.Condition()
+        self._pause_holders = 0
+        self._loop_parked = False
+        self._pause_owner = threading.local()
 
         # Engine state, built on first use (warmup or start) and owned by the loop thread afterwards.
         self.cache: PagedKVCache | None = None
@@ -149,10 +157,15 @@ class ContinuousBatchingManager:
         generation_config, _ = self.model._prepare_generation_config(self.generation_config)
         self.model._prepare_special_tokens(generation_config, kwargs_has_attention_mask=True, device=device)
 
-        def processors_for_prompt(prompt_length: int):
-            return self.model._get_logits_processor(generation_config, input_ids_seq_length=prompt_length, device=device)
+        def processors_for(prompt_length: int, overrides: dict):
+            config = generation_config
+            if overrides:
+                config = copy.deepcopy(generation_config)
+                for name, value in overrides.items():
+                    setattr(config, name, value)
+            return self.model._get_logits_processor(config, input_ids_seq_length=prompt_length, device=device)
 
-        sampler = Sampler(generation_config, processors_for_prompt, cfg.return_logprobs, cfg.seed)
+        sampler = Sampler(generation_config, processors_for, cfg.return_logprobs, cfg.seed, cfg.per_request_processors)
         self.runner = ModelRunner(self.model, self.cache, sampler)
         # Record the resolved values, as transformers does after creating its cache.
         cfg.num_blocks, cfg.max_batch_tokens, cfg.max_requests_per_batch = num_blocks, max_batch_tokens, max_requests
@@ -211,6 +224,11 @@ class ContinuousBatchingManager:
         if self._generation_thread is None:
             logger.warning("Manager not started.")
             return
+        if getattr(self._pause_owner, "depth", 0):
+            raise RuntimeError(
+                "Cannot stop the manager from inside a pause: the loop is paused and cannot exit, so this would wait "
+                "forever. Leave the `pause` context before calling `stop`."
+            )
         stop_trigger_time = time.perf_counter()
         self._stop_mode = _StopMode.HARD if hard_stop else _StopMode.FLUSH
         self._wake_up_loop.set()
@@ -237,6 +255,35 @@ class ContinuousBatchingManager:
             self.stop(block=True)
         self._restore_attn()
         self.cache = self.scheduler = self.runner = None
+
+    @contextmanager
+    def pause(self) -> Iterator[None]:
+        """Pause the loop for the `with` block, e.g. to update the model's weights in place. The block is entered once
+        the loop is parked between two steps; on exit it resumes with its cache and in-flight requests intact
+        (nothing is drained, nothing lost). Several threads may hold the pause at once; the loop resumes when the last
+        one leaves. Raises RuntimeError when no loop is running."""
+        if not self.is_running():
+            raise RuntimeError("Cannot pause generation while no generation loop is running.")
+        with self._pause_cond:
+            self._pause_holders += 1
+        self._pause_owner.depth = getattr(self._pause_owner, "depth", 0) + 1
+        self._wake_up_loop.set()
+        try:
+            with self._pause_cond:
+                self._pause_cond.wait_for(lambda: self._loop_parked or not self.is_running())
+            yield
+        finally:
+            self._pause_owner.depth -= 1
+            with self._pause_cond:
+                self._pause_holders -= 1
+                self._pause_cond.notify_all()
+
+    def register_result_handler(self, request_id: str, callback: Callable[[GenerationOutput], Any]) -> None:
+        """Deliver this request's outputs (every snapshot when streaming, else the final one) by calling
+        `callback(output)` on the running asyncio loop, through `call_soon_threadsafe`. Must be called from inside
+        that loop. The handler is removed after the terminal output."""
+        loop = asyncio.get_running_loop()
+        self.output_router.register_handler(request_id, callback, loop)
 
     # -------------------------------------------------------------------------------------------- requests ----
 
@@ -269,9 +316,10 @@ class ContinuousBatchingManager:
             eos_token_id=eos_token_id,
             streaming=streaming,
             record_timestamps=record_timestamps,
+            num_children=self.num_return_sequences - 1,
             logit_processor_kwargs=logit_processor_kwargs,
         )
-        self.input_queue.put(state, block=True, timeout=10)
+        self.input_queue.put(state, block=True, timeout=ADD_REQUEST_TIMEOUT_S)
         self._wake_up_loop.set()
         return request_id
 
@@ -339,6 +387,7 @@ class ContinuousBatchingManager:
         try:
             with torch.inference_mode(use_inference_mode):
                 while True:
+                    self._park_while_paused()
                     self._take_new_requests()
                     self._apply_cancellations()
                     if self._stop_mode == _StopMode.HARD:
@@ -357,6 +406,16 @@ class ContinuousBatchingManager:
             self._end_all(f"the generation loop crashed: {type(error).__name__}: {error}")
         finally:
             self.output_router.wake_all()
+
+    def _park_while_paused(self) -> None:
+        """Between two steps: while anyone holds the pause, stay parked (and say so)."""
+        with self._pause_cond:
+            if not self._pause_holders:
+                return
+            self._loop_parked = True
+            self._pause_cond.notify_all()
+            self._pause_cond.wait_for(lambda: self._pause_holders == 0)
+            self._loop_parked = False
 
     def _take_new_requests(self) -> None:
         while True:
@@ -386,11 +445,9 @@ class ContinuousBatchingManager:
             return f"token id {bad!r} is outside the vocabulary [0, {vocab})"
         if state.max_new_tokens is not None and state.max_new_tokens < 1:
             return f"max_new_tokens must be >= 1, got {state.max_new_tokens}"
-        if state.logit_processor_kwargs:
-            return (
-                f"unknown logits-processor kwargs {sorted(state.logit_processor_kwargs)}: per-request processor "
-                "parameters are not supported yet"
-            )
+        kwargs_problem = self.runner.sampler.check_kwargs(state.logit_processor_kwargs)
+        if kwargs_problem is not None:
+            return kwargs_problem
         capacity = self.cache.capacity_tokens
         # The K/V of the last generated token is never needed, hence the - 1.
         longest = len(prompt) + (state.max_new_tokens - 1 if state.max_new_tokens is not None else 0)
@@ -420,6 +477,11 @@ class ContinuousBatchingManager:
         for state in batch.capped:
             # Unbounded generation reached the cache's capacity: end it like a length limit.
             self._end(state, RequestStatus.FINISHED)
+        for state, reason in batch.failed:
+            state.error = f"request {state.request_id}: {reason}"
+            self._end(state, RequestStatus.FAILED)
+        for child in batch.forked:
+            self._live_ids.add(child.request_id)
         if not batch.requests:
             return
         try:

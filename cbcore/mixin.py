@@ -105,6 +105,8 @@ class ContinuousMixin:
             max_generated_length=max_new_tokens if max_new_tokens is not None else 0,
             num_requests=len(inputs),
         )
+        num_return_sequences = gen_config.num_return_sequences or 1
+        num_requests = len(inputs) * num_return_sequences
         results: dict[str, GenerationOutput] = {}
         request_ids: list[str] = []
         with self.continuous_batching_context_manager(
@@ -117,8 +119,8 @@ class ContinuousMixin:
             workload_hints=hints,
         ) as manager:
             request_ids = manager.add_requests(inputs, max_new_tokens=max_new_tokens, record_timestamps=record_timestamps)
-            with tqdm(total=len(inputs), disable=not progress_bar, desc=f"Solving {len(inputs)} requests", unit="request") as bar:
-                while len(results) < len(request_ids):
+            with tqdm(total=num_requests, disable=not progress_bar, desc=f"Solving {num_requests} requests", unit="request") as bar:
+                while len(results) < num_requests:
                     result = manager.get_result(timeout=1)
                     if result is None:
                         if not manager.is_running():
@@ -128,7 +130,14 @@ class ContinuousMixin:
                     if result.is_finished():
                         results[result.request_id] = result
                         bar.update(1)
-        ordered = {rid: results[rid] for rid in request_ids if rid in results}
+        # Input order; for num_return_sequences, a request's children first, then the request itself (transformers).
+        ordered = {}
+        for request_id in request_ids:
+            family = [f"{request_id}__child#{i}" for i in range(num_return_sequences - 1)] + [request_id]
+            ordered.update({rid: results[rid] for rid in family if rid in results})
+        missing = [rid for rid in request_ids if rid not in ordered]
+        if missing:
+            logger.error(f"Requests {missing} not found in results.")
         failed = [rid for rid, out in ordered.items() if out.error is not None]
         if failed:
             logger.error(f"Requests {failed} failed during generation.")

@@ -7,9 +7,12 @@ returns None at once. cbcore's `get_result(request_id, timeout)` instead waits (
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 from .requests import GenerationOutput
 
@@ -20,12 +23,27 @@ class OutputRouter:
     def __init__(self) -> None:
         self._outputs: deque[GenerationOutput] = deque()
         self._cond = threading.Condition()
+        self._handlers: dict[str, tuple[Callable[[GenerationOutput], Any], asyncio.AbstractEventLoop]] = {}
+
+    def register_handler(
+        self, request_id: str, callback: Callable[[GenerationOutput], Any], loop: asyncio.AbstractEventLoop
+    ) -> None:
+        """Route this request's outputs to `callback`, called on `loop`; removed after the terminal output."""
+        with self._cond:
+            self._handlers[request_id] = (callback, loop)
 
     def deliver(self, output: GenerationOutput) -> None:
         """Called by the loop thread for every snapshot and terminal output."""
         with self._cond:
-            self._outputs.append(output)
-            self._cond.notify_all()
+            handler = self._handlers.get(output.request_id)
+            if handler is not None and output.is_finished():
+                del self._handlers[output.request_id]
+            if handler is None:
+                self._outputs.append(output)
+                self._cond.notify_all()
+                return
+        callback, loop = handler
+        loop.call_soon_threadsafe(callback, output)
 
     def wake_all(self) -> None:
         """Wake waiting readers so they can notice that the loop stopped."""

@@ -164,6 +164,25 @@ class RequestState:
             self.logprobs.append(logprob)
         return token_id in self.eos_token_ids or len(self.generated_tokens) >= self.new_tokens_limit
 
+    def fork_child(self, request_id: str) -> RequestState:
+        """A child for `num_return_sequences`: same prompt, settings and progress, no blocks (the cache shares them),
+        its own id and creation time. Mirrors transformers' `RequestState.fork`."""
+        child = RequestState(
+            request_id=request_id,
+            initial_tokens=self.initial_tokens,
+            max_new_tokens=self.max_new_tokens,
+            eos_token_id=self.eos_token_id,
+            streaming=self.streaming,
+            record_timestamps=self.record_timestamps,
+            logit_processor_kwargs=dict(self.logit_processor_kwargs),
+        )
+        child.all_tokens = list(self.all_tokens)
+        child.generated_tokens = list(self.generated_tokens)
+        child.logprobs = list(self.logprobs)
+        child._status = self._status
+        child.lifespan = (child.created_time, -1)
+        return child
+
     def to_generation_output(self) -> GenerationOutput:
         """A snapshot for the caller; lists are copied so later steps never change what was delivered."""
         return GenerationOutput(

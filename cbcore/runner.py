@@ -105,6 +105,9 @@ class ModelRunner:
             return StepResult([], [], None)
         logits = output.logits[0]
         tokens, logprobs = self.sampler.sample(
-            logits, [item.state.all_tokens for item in emitted], [len(item.state.initial_tokens) for item in emitted]
+            logits,
+            [item.state.all_tokens for item in emitted],
+            [len(item.state.initial_tokens) for item in emitted],
+            [item.state.logit_processor_kwargs for item in emitted],
         )
         return StepResult(emitted, tokens, logprobs)

@@ -6,6 +6,9 @@ prompt's end, so they are built per prompt length and cached). They are applied 
 history (prompt + generated tokens) as `input_ids`, so history-aware processors (repetition penalty, no-repeat n-gram,
 ...) see the real history rather than a batch-shaped stand-in. With no processors (plain greedy, the common case) no
 per-row work is done at all.
+
+With `per_request_processors`, a request may carry its own `temperature`, `top_k` and `top_p` (transformers' three
+per-request kwargs, same types); its processors are then built from the generation config with those values.
 """
 
 from __future__ import annotations
@@ -15,7 +18,12 @@ from collections.abc import Callable
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
-ProcessorFactory = Callable[[int], LogitsProcessorList]
+# (prompt_length, per-request overrides) -> the processors model.generate would use.
+ProcessorFactory = Callable[[int, dict], LogitsProcessorList]
+
+# transformers' per-request kwargs and their types (cb_logits_processors.py), and the ones it accepts and ignores.
+PER_REQUEST_KWARGS: dict[str, type] = {"temperature": float, "top_k": int, "top_p": float}
+IGNORED_KWARGS = ("filter_value", "min_tokens_to_keep")
 
 
 class Sampler:
@@ -27,38 +35,70 @@ class Sampler:
         processor_factory: ProcessorFactory,
         return_logprobs: bool = False,
         seed: int | None = None,
+        per_request_processors: bool = False,
     ) -> None:
-        """`processor_factory(prompt_length)` builds the processors `model.generate` would use for that prompt."""
+        """`processor_factory(prompt_length, overrides)` builds the processors `model.generate` would use."""
         self.do_sample = bool(generation_config.do_sample)
-        self._processor_factory = processor_factory
-        self._processors_by_prompt_length: dict[int, LogitsProcessorList] = {}
-        self.has_processors = len(processor_factory(1)) > 0
         self.return_logprobs = return_logprobs
+        self.per_request_processors = per_request_processors
+        self._processor_factory = processor_factory
+        self._processors: dict[tuple, LogitsProcessorList] = {}
+        self.has_processors = len(processor_factory(1, {})) > 0
         self.generator = torch.Generator()
         if seed is not None:
             self.generator.manual_seed(seed)
         else:
             self.generator.seed()
 
-    def processors_for(self, prompt_length: int) -> LogitsProcessorList:
-        """The processors for a prompt of this length (built once per length)."""
-        processors = self._processors_by_prompt_length.get(prompt_length)
+    def check_kwargs(self, kwargs: dict) -> str | None:
+        """Why a request's processor kwargs cannot be honoured, or None when they are fine."""
+        if not kwargs:
+            return None
+        if not self.per_request_processors:
+            return (
+                f"logits-processor kwargs {sorted(kwargs)} need per_request_processors=True in the "
+                "ContinuousBatchingConfig"
+            )
+        unknown = sorted(set(kwargs) - set(PER_REQUEST_KWARGS) - set(IGNORED_KWARGS))
+        if unknown:
+            return f"unknown logits-processor kwargs {unknown}; supported: {sorted(PER_REQUEST_KWARGS)}"
+        for key, expected in PER_REQUEST_KWARGS.items():
+            if key in kwargs and not isinstance(kwargs[key], expected):
+                return f"logits-processor kwarg {key!r} has type {type(kwargs[key]).__name__}, expected {expected.__name__}"
+        if not self.do_sample and any(key in kwargs for key in PER_REQUEST_KWARGS):
+            return "per-request temperature/top_k/top_p need do_sample=True in the GenerationConfig"
+        return None
+
+    def processors_for(self, prompt_length: int, kwargs: dict) -> LogitsProcessorList:
+        """The processors for a prompt of this length and these per-request values (built once per combination)."""
+        overrides = {k: v for k, v in kwargs.items() if k in PER_REQUEST_KWARGS}
+        key = (prompt_length, tuple(sorted(overrides.items())))
+        processors = self._processors.get(key)
         if processors is None:
-            processors = self._processor_factory(prompt_length)
-            self._processors_by_prompt_length[prompt_length] = processors
+            processors = self._processor_factory(prompt_length, overrides)
+            self._processors[key] = processors
         return processors
 
     def sample(
-        self, logits: torch.Tensor, histories: list[list[int]], prompt_lengths: list[int]
+        self,
+        logits: torch.Tensor,
+        histories: list[list[int]],
+        prompt_lengths: list[int],
+        request_kwargs: list[dict] | None = None,
     ) -> tuple[list[int], list[float] | None]:
-        """Pick one token per row of `logits` `[rows, vocab]`; `histories[i]` is row i's prompt + generated tokens
-        and `prompt_lengths[i]` the length of its prompt."""
+        """Pick one token per row of `logits` `[rows, vocab]`; `histories[i]` is row i's prompt + generated tokens,
+        `prompt_lengths[i]` its prompt's length and `request_kwargs[i]` its per-request processor kwargs."""
         scores = logits.float()
-        if self.has_processors:
+        kwargs_per_row = request_kwargs or [{}] * len(histories)
+        if self.has_processors or any(kwargs_per_row):
             rows = []
-            for row, (history, prompt_length) in enumerate(zip(histories, prompt_lengths)):
-                input_ids = torch.tensor([history], dtype=torch.long, device=scores.device)
-                rows.append(self.processors_for(prompt_length)(input_ids, scores[row : row + 1]))
+            for row, (history, prompt_length, kwargs) in enumerate(zip(histories, prompt_lengths, kwargs_per_row)):
+                processors = self.processors_for(prompt_length, kwargs)
+                if len(processors):
+                    input_ids = torch.tensor([history], dtype=torch.long, device=scores.device)
+                    rows.append(processors(input_ids, scores[row : row + 1]))
+                else:
+                    rows.append(scores[row : row + 1])
             scores = torch.cat(rows, dim=0)
         if self.do_sample:
             probs = torch.softmax(scores, dim=-1).cpu()

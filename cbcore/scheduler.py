@@ -46,6 +46,10 @@ class ScheduledBatch:
     preempted: list[RequestState] = field(default_factory=list)
     # Requests that hit the cache's capacity on their own: they end now (finished, bounded by the cache).
     capped: list[RequestState] = field(default_factory=list)
+    # Children created this step for `num_return_sequences` (already running).
+    forked: list[RequestState] = field(default_factory=list)
+    # Requests that cannot go on, with the reason (they end FAILED).
+    failed: list[tuple[RequestState, str]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -144,12 +148,18 @@ class Scheduler:
         token_budget = self.max_batch_tokens
         scheduled: set[int] = set()  # ids of states already in the batch: never chosen as preemption victims
 
+        for state in [s for s in self.running if s.num_children and s.num_uncomputed_tokens == 1]:
+            if state in self.running:  # not preempted by an earlier fork
+                self._fork(state, batch)
+
         for state in self.order.running_order(self.running):
             if token_budget == 0 or len(batch.requests) == self.max_requests_per_batch:
                 break
             if state not in self.running:  # preempted earlier in this loop
                 continue
-            num_tokens = min(state.num_uncomputed_tokens, token_budget)
+            num_tokens = min(self._tokens_before_fork(state), token_budget)
+            if num_tokens == 0:  # waits for its children to be forked (next step)
+                continue
             if not self._make_room(state, state.num_computed_tokens + num_tokens, scheduled, batch):
                 continue
             batch.requests.append(ScheduledRequest(state, num_tokens))
@@ -166,7 +176,7 @@ class Scheduler:
                 break  # keep headroom for the running requests' growth
             state = self.waiting[0]
             hit_tokens = self.cache.match_prefix(state)
-            num_tokens = min(state.num_uncomputed_tokens, token_budget)
+            num_tokens = min(self._tokens_before_fork(state), token_budget)
             if not self.cache.can_grow(state, state.num_computed_tokens + num_tokens):
                 self.cache.release(state)  # give back the shared prefix blocks; try again next step
                 break
@@ -179,9 +189,40 @@ class Scheduler:
             if state.status == RequestStatus.PENDING:
                 state.status = RequestStatus.PREFILLING
             self.running.append(state)
-            batch.requests.append(ScheduledRequest(state, num_tokens))
-            scheduled.add(id(state))
-            token_budget -= num_tokens
+            if num_tokens:  # zero: a parent whose prompt is all cached but its last token forks first, next step
+                batch.requests.append(ScheduledRequest(state, num_tokens))
+                scheduled.add(id(state))
+                token_budget -= num_tokens
+
+    @staticmethod
+    def _tokens_before_fork(state: RequestState) -> int:
+        """Tokens the request may run now: a parent with children to fork stops before its last prompt token, so
+        every child shares the prompt's K/V and computes that last token (and samples) on its own."""
+        return state.num_uncomputed_tokens - (1 if state.num_children else 0)
+
+    def _fork(self, parent: RequestState, batch: ScheduledBatch) -> None:
+        """Create the parent's `num_return_sequences - 1` children, sharing its computed blocks (a partial last
+        block is copied: copy on write), right after it in admission order."""
+        blocks_needed = parent.num_children * self.cache.blocks_to_fork(parent)
+        while self.cache.allocator.num_available < blocks_needed:
+            victim = next((r for r in reversed(self.running) if r is not parent), None)
+            if victim is None:
+                self.running.remove(parent)
+                batch.failed.append((parent, (
+                    f"num_return_sequences={parent.num_children + 1} needs {blocks_needed} more blocks to fork its "
+                    f"children, but the cache has {self.cache.num_blocks} blocks in all; raise num_blocks"
+                )))
+                return
+            self._preempt(victim, batch)
+        position = self.running.index(parent) + 1
+        for index in range(parent.num_children):
+            child = parent.fork_child(f"{parent.request_id}__child#{index}")
+            self.cache.fork(parent, child)
+            child.admission_order = self._admissions
+            self._admissions += 1
+            self.running.insert(position + index, child)
+            batch.forked.append(child)
+        parent.num_children = 0
 
     def _within_safety_margin(self) -> bool:
         available = self.cache.allocator.num_available

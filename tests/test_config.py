@@ -58,7 +58,6 @@ def test_out_of_range_values_raise_a_value_error_naming_the_field(kwargs: dict, 
         {"default_compile_level": 1},
         {"use_async_batching": True},
         {"cpu_offload_space": 1.0},
-        {"per_request_processors": True},
     ],
 )
 def test_unsupported_options_raise_instead_of_being_ignored(kwargs: dict) -> None:
@@ -73,14 +72,6 @@ def test_a_transformers_config_is_accepted_and_not_mutated() -> None:
     assert manager.cache.page_size == 8 and manager.cache.num_blocks == 20
     assert theirs.max_batch_tokens is None  # the resolved values went to cbcore's copy
     manager.destroy()
-
-
-def test_num_return_sequences_is_refused_until_supported() -> None:
-    config = greedy_config(4)
-    config.num_return_sequences = 2
-    config.num_beams = 2
-    with pytest.raises(NotImplementedError, match="num_return_sequences"):
-        cbcore.ContinuousBatchingManager(tiny_model("llama_gqa"), config, cbcore.ContinuousBatchingConfig())
 
 
 def test_version_is_exposed() -> None:
