@@ -75,6 +75,7 @@ class ContinuousBatchingManager:
         self.workload_hints = workload_hints
         self.model = model.eval()
         self.continuous_batching_config.check_supported(model.device)
+        self.default_eos_token_id = self._resolve_default_eos()
         num_return_sequences = getattr(self.generation_config, "num_return_sequences", None)
         self.num_return_sequences = num_return_sequences if num_return_sequences is not None else 1
 
@@ -103,20 +104,31 @@ class ContinuousBatchingManager:
         self.warmed_up = False
         self.stats = {"steps": 0, "computed_tokens": 0, "computed_prompt_tokens": 0, "generated_tokens": 0}
 
+        # The model's attention is switched by start() and restored by stop(): a manager that is built but never
+        # started leaves the model untouched (transformers switches it in __init__).
         self._original_attn_impl: str | None = None
-        self.switch_to_cb_friendly_attn(model, self.continuous_batching_config.auto_switch_to_flash)
         self._use_prefix_sharing = self.continuous_batching_config.allow_block_sharing
 
     # ------------------------------------------------------------------------------------------------ set-up ----
 
     def switch_to_cb_friendly_attn(self, model: torch.nn.Module, auto_switch_to_flash: bool = True) -> None:
         """Point the model's attention at cbcore's paged attention (restored by `stop`). cbcore always uses its own
-        paged kernels, so `auto_switch_to_flash` has no effect."""
+        paged kernels, so `auto_switch_to_flash` has no effect. Idempotent."""
         name = attention.register()
         current = model.config._attn_implementation
-        if current != name:
+        if current != name and self._original_attn_impl is None:
             model.set_attn_implementation(name)
             self._original_attn_impl = current
+
+    def _resolve_default_eos(self) -> int | list[int]:
+        """EOS for requests that give none, as `model.generate` resolves it: the generation config, then the model's
+        generation config, then the model config; -1 (none) if all are unset. (transformers' manager instead writes
+        -1 into the caller's config, so its requests ignore the model's EOS.)"""
+        for source in (self.generation_config, getattr(self.model, "generation_config", None), self.model.config):
+            eos = getattr(source, "eos_token_id", None)
+            if eos is not None:
+                return eos
+        return -1
 
     def _restore_attn(self) -> None:
         if self._original_attn_impl is not None:
@@ -198,8 +210,7 @@ class ContinuousBatchingManager:
         if self.is_running():
             logger.warning("Manager thread is already running.")
             return
-        if self._original_attn_impl is None:
-            self.switch_to_cb_friendly_attn(self.model)
+        self.switch_to_cb_friendly_attn(self.model)
         if self.cache is None:
             self._build_engine()
         self._stop_mode = _StopMode.RUNNING
@@ -308,7 +319,7 @@ class ContinuousBatchingManager:
                 request_id = f"req_{self._request_counter}"
                 self._request_counter += 1
         max_new_tokens = self.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
-        eos_token_id = self.generation_config.eos_token_id if eos_token_id is None else eos_token_id
+        eos_token_id = self.default_eos_token_id if eos_token_id is None else eos_token_id
         state = RequestState(
             request_id=request_id,
             initial_tokens=list(input_ids),
@@ -339,9 +350,6 @@ class ContinuousBatchingManager:
         pairs = list(zip(request_ids, inputs))
         if self._use_prefix_sharing:
             pairs = sorted(pairs, key=lambda pair: list(pair[1]), reverse=True)
-        eos_token_id = self.generation_config.eos_token_id
-        eos_token_id = self.model.config.eos_token_id if eos_token_id is None else eos_token_id
-        eos_token_id = -1 if eos_token_id is None else eos_token_id
         for request_id, input_ids in pairs:
             self.add_request(
                 input_ids,
@@ -349,7 +357,6 @@ class ContinuousBatchingManager:
                 max_new_tokens=max_new_tokens,
                 streaming=streaming,
                 record_timestamps=record_timestamps,
-                eos_token_id=eos_token_id,
                 **logit_processor_kwargs,
             )
         return request_ids

@@ -4,7 +4,6 @@ block still referenced once every request ended)."""
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 
@@ -47,13 +46,17 @@ MODEL_FACTORIES = {
 }
 
 
-@functools.cache
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
 def tiny_model(kind: str) -> torch.nn.Module:
-    """A seeded random fp32 model of the given kind, in eval mode (cached per test session)."""
-    torch.manual_seed(1234)
-    model = MODEL_FACTORIES[kind]().eval()
-    model.generation_config.pad_token_id = 0
-    return model
+    """A seeded random fp32 model of the given kind, in eval mode (built once per test session)."""
+    if kind not in _MODELS:
+        torch.manual_seed(1234)
+        model = MODEL_FACTORIES[kind]().eval()
+        model.generation_config.pad_token_id = 0
+        _MODELS[kind] = model
+    return _MODELS[kind]
 
 
 def greedy_config(max_new_tokens: int, eos_token_id: int | None = None) -> GenerationConfig:
@@ -118,6 +121,16 @@ def run_engine(
     assert manager.output_router.empty(), "outputs were delivered after the terminal one"
     assert_engine_clean(manager)
     return {rid: outputs[rid] for rid in request_ids}, manager
+
+
+@pytest.fixture(autouse=True)
+def _models_left_as_found():
+    """A test that leaves a tiny model switched to cbcore's attention (a manager never stopped) must not change what
+    the next test sees; the engine tests check the restore themselves."""
+    yield
+    for model in _MODELS.values():
+        if model.config._attn_implementation != "sdpa":
+            model.set_attn_implementation("sdpa")
 
 
 @pytest.fixture(autouse=True)

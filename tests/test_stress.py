@@ -1,0 +1,80 @@
+"""Stress: 200 requests of random lengths through a tiny cache that forces preemption, with random cancels, one pause
+and a handful of invalid requests mixed in. Every request ends exactly once with the right status, the greedy ones
+equal `model.generate`, cancelled ones hold a prefix of it, and the allocator's invariants hold at the end."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import cbcore
+from conftest import VOCAB, assert_engine_clean, greedy_config, reference_tokens, tiny_model
+
+NUM_REQUESTS = 200
+
+
+def test_two_hundred_requests_with_cancels_a_pause_preemption_and_bad_input() -> None:
+    rng = random.Random(2026)
+    model = tiny_model("llama_gqa")
+    config = cbcore.ContinuousBatchingConfig(page_size=4, num_blocks=40, max_batch_tokens=64)  # 160 tokens in all
+    manager = cbcore.ContinuousBatchingManager(model, greedy_config(12), config)
+
+    requests: dict[str, dict] = {}
+    for index in range(NUM_REQUESTS):
+        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 40))]
+        requests[f"r{index}"] = {"input_ids": prompt, "max_new_tokens": rng.randint(1, 12)}
+    invalid = {
+        "bad_empty": {"input_ids": []},
+        "bad_vocab": {"input_ids": [1, VOCAB + 5, 2]},
+        "bad_too_long": {"input_ids": [3] * 170},
+        "bad_kwarg": {"input_ids": [4, 5], "top_q": 0.3},
+        "bad_max_new": {"input_ids": [4, 5], "max_new_tokens": 0},
+    }
+    ids = list(requests) + list(invalid)
+    rng.shuffle(ids)
+    to_cancel = set(rng.sample(list(requests), 20))
+
+    manager.start()
+    finals: dict[str, list] = {}
+    try:
+        for position, request_id in enumerate(ids):
+            spec = requests.get(request_id) or invalid[request_id]
+            manager.add_request(request_id=request_id, **spec)
+            if position == len(ids) // 2:
+                with manager.pause():
+                    paused_at = manager.stats["steps"]
+                    threading.Event().wait(0.05)
+                    assert manager.stats["steps"] == paused_at
+            if request_id in to_cancel and rng.random() < 0.5:
+                manager.cancel_request(request_id)  # right away: usually before it runs
+        for request_id in sorted(to_cancel):
+            manager.cancel_request(request_id)  # the rest: while running, or already finished
+        while len(finals) < len(ids):
+            output = manager.get_result(timeout=60)
+            assert output is not None, f"stalled; missing {set(ids) - set(finals)}"
+            if output.is_finished():
+                finals.setdefault(output.request_id, []).append(output)
+    finally:
+        manager.stop(block=True)
+
+    assert all(len(outs) == 1 for outs in finals.values()), "a request ended twice"
+    assert manager.output_router.empty()
+    assert_engine_clean(manager)
+    assert manager.num_preemptions > 0
+
+    for request_id in invalid:
+        output = finals[request_id][0]
+        assert output.status == cbcore.RequestStatus.FAILED and request_id in output.error
+    statuses = {"finished": 0, "cancelled": 0}
+    for request_id, spec in requests.items():
+        output = finals[request_id][0]
+        want = reference_tokens(model, spec["input_ids"], greedy_config(spec["max_new_tokens"]))
+        if output.status == cbcore.RequestStatus.CANCELLED:
+            assert request_id in to_cancel
+            assert want[: len(output.generated_tokens)] == output.generated_tokens
+            statuses["cancelled"] += 1
+        else:
+            assert output.status == cbcore.RequestStatus.FINISHED, output.error
+            assert output.generated_tokens == want, request_id
+            statuses["finished"] += 1
+    assert statuses["cancelled"] >= 10  # half were cancelled before they could run
