@@ -68,3 +68,12 @@ def test_get_result_times_out_with_none_while_the_request_runs() -> None:
     finally:
         release.set()
         manager.stop()
+
+
+def test_generate_batch_refuses_unknown_keyword_arguments() -> None:
+    import pytest
+
+    model = tiny_model("qwen2")
+    cbcore.enable(model)
+    with pytest.raises(TypeError, match="max_new_tokenz"):
+        model.generate_batch([[1, 2]], generation_config=greedy_config(2), max_new_tokenz=3)
