@@ -384,3 +384,21 @@ def test_model_inference_mode_of_the_caller_is_used_by_the_loop() -> None:
         output = manager.get_result(manager.add_request([1, 2, 3]), timeout=30)
         manager.stop()
     assert output.is_finished()
+
+
+def test_a_training_forward_after_generation_is_unaffected() -> None:
+    model = tiny_model("llama_gqa")
+    batch = torch.tensor([random_prompts([12], seed=60)[0]])
+
+    def loss_and_grad_norm() -> tuple[float, float]:
+        model.zero_grad()
+        loss = model(batch, labels=batch).loss
+        loss.backward()
+        norm = sum(float(p.grad.norm()) for p in model.parameters() if p.grad is not None)
+        model.zero_grad()
+        return float(loss), norm
+
+    before = loss_and_grad_norm()
+    cbcore.enable(model)
+    model.generate_batch(random_prompts([5, 9], seed=61), generation_config=greedy_config(4))
+    assert loss_and_grad_norm() == before
