@@ -27,7 +27,15 @@ if "CUDA_HOME" not in os.environ and Path("/usr/local/cuda/bin/nvcc").exists():
 import torch  # noqa: E402  (after CUDA_HOME is settled)
 from torch.utils import cpp_extension  # noqa: E402
 
-CXX_FLAGS = ["-O3", "-std=c++17"]
+# C++20: torch 2.14's headers require it (the allocator alone is C++17, see CMakeLists.txt).
+CXX_FLAGS = ["-O3", "-std=c++20"]
+
+
+def openmp_flags() -> list[str]:
+    """`-fopenmp` when torch's intra-op pool is OpenMP: at::parallel_for is a header template whose OpenMP
+    pragmas are compiled into *our* object, so without the flag the CPU kernels run on one thread. The
+    resulting libgomp.so.1 dependency resolves at run time to the copy torch has already loaded (same soname)."""
+    return ["-fopenmp"] if getattr(torch._C, "has_openmp", False) and os.name == "posix" else []
 
 
 def read_version() -> str:
@@ -46,13 +54,14 @@ def relative_sources(*patterns: str) -> list[str]:
 
 
 def cpp_extensions() -> list:
-    """`cbcore._C`: the allocator and the Python bindings; built on every machine."""
+    """`cbcore._C`: the allocator, the CPU attention kernels and the Python bindings; built on every machine."""
     return [
         cpp_extension.CppExtension(
             name="cbcore._C",
-            sources=relative_sources("bindings.cpp", "allocator/*.cpp"),
+            sources=relative_sources("bindings.cpp", "allocator/*.cpp", "attention/cpu_*.cpp", "swap/*.cpp"),
             include_dirs=[str(CSRC)],
-            extra_compile_args={"cxx": CXX_FLAGS},
+            extra_compile_args={"cxx": CXX_FLAGS + openmp_flags()},
+            extra_link_args=openmp_flags(),
         )
     ]
 
@@ -63,15 +72,34 @@ def cuda_available_for_build() -> bool:
     return bool(torch.version.cuda) and cuda_home is not None and Path(cuda_home, "bin", "nvcc").exists()
 
 
-# ---- CUDA extensions hook --------------------------------------------------------------------------------------------
-# `cbcore._cuda` (paged decode attention, cache writes, swap copies) will be returned from here as a
-# cpp_extension.CUDAExtension over csrc/**/*.cu, with nvcc flags such as -O3 and --use_fast_math. No .cu sources
-# exist yet, so the list is empty; the engine must keep working when this module is absent.
+# ---- CUDA extensions -------------------------------------------------------------------------------------------------
+# `cbcore._cuda`: paged decode attention, cache writes and the CUDA kernel of the swap copies (csrc/**/*.cu plus
+# csrc/cuda_bindings.cpp). Built only when torch has CUDA and nvcc is found; no GPU is needed to compile it, and the
+# engine keeps working when it is absent. Targets: sm_80 and sm_90 machine code (plus compute_90 PTX, which the driver
+# can compile for newer GPUs); CBCORE_CUDA_ARCHS="80;90;100" overrides the list. No --use_fast_math: the kernels use
+# exp2f and fp32 accumulation explicitly, and the accuracy tests are written against IEEE division.
+def cuda_arch_flags() -> list[str]:
+    """-gencode flags for CBCORE_CUDA_ARCHS (default "80;90"); the last arch also embeds PTX."""
+    archs = [a.strip() for a in os.environ.get("CBCORE_CUDA_ARCHS", "80;90").replace(",", ";").split(";") if a.strip()]
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    if archs:
+        flags.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
+    return flags
+
+
 def cuda_extensions() -> list:
-    """CUDA extensions to build; empty until the first .cu sources land (or when CUDA is unavailable)."""
-    if not cuda_available_for_build():
+    """`cbcore._cuda` when CUDA is available for the build, else nothing."""
+    if not cuda_available_for_build() or os.environ.get("CBCORE_SKIP_CUDA") == "1":
         return []
-    return []
+    nvcc_flags = ["-O3", "-std=c++20", "-lineinfo", "--expt-relaxed-constexpr", *cuda_arch_flags()]
+    return [
+        cpp_extension.CUDAExtension(
+            name="cbcore._cuda",
+            sources=relative_sources("cuda_bindings.cpp", "attention/*.cu", "swap/*.cu"),
+            include_dirs=[str(CSRC)],
+            extra_compile_args={"cxx": CXX_FLAGS, "nvcc": nvcc_flags},
+        )
+    ]
 
 
 def package_dirs() -> tuple[list[str], dict[str, str]]:

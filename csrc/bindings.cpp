@@ -1,13 +1,15 @@
 // Python bindings: the cbcore._C module.
 //
-// Only plain ids and token lists cross this boundary (see STYLE.md, "kernels see flat
-// tensors only"). The allocator needs nothing from torch, so this file includes pybind11
-// alone (torch's bundled copy) and compiles quickly; bindings of tensor ops will include
-// <torch/extension.h> when they arrive. The module is still linked against libc10 /
-// libtorch_cpu by CppExtension, so torch must be imported first (cbcore/__init__ does).
+// Only plain ids, token lists and flat tensors cross this boundary (see STYLE.md, "kernels
+// see flat tensors only"). The allocator needs nothing from torch, so this file includes
+// pybind11 alone (torch's bundled copy) and compiles quickly; the tensor ops register
+// themselves from their own folders (attention/cpu_attention_bindings.cpp includes torch's
+// pybind11 casters). The module is linked against libc10 / libtorch_cpu by CppExtension, so
+// torch must be imported first (cbcore/__init__ does).
 //
 // C++ exceptions map to Python ones through pybind11's defaults:
-// std::invalid_argument -> ValueError, std::runtime_error -> RuntimeError.
+// std::invalid_argument -> ValueError, std::runtime_error -> RuntimeError; the tensor ops
+// raise c10::ValueError -> ValueError.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -15,6 +17,7 @@
 #include <unordered_map>
 
 #include "allocator/block_allocator.h"
+#include "attention/cpu_attention_bindings.h"
 
 #ifndef TORCH_EXTENSION_NAME
 #define TORCH_EXTENSION_NAME _C
@@ -156,6 +159,9 @@ Bad arguments raise ValueError and change nothing; running out of blocks raises 
 }  // namespace cbcore
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "cbcore's C++ extension: the KV-cache block allocator.";
+  m.doc() = "cbcore's C++ extension: the KV-cache block allocator and the CPU attention kernels.";
   cbcore::bind_block_allocator(m);
+  cbcore::register_cpu_attention_bindings(m);
+  // TODO(swap): call cbcore::register_swap_bindings(m) from "swap/swap.h" once csrc/swap/ has its
+  // sources and setup.py compiles them into cbcore._C (the header alone would leave the symbol undefined).
 }

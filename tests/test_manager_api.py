@@ -396,7 +396,7 @@ def test_a_training_forward_after_generation_is_unaffected() -> None:
         loss.backward()
         norm = sum(float(p.grad.norm()) for p in model.parameters() if p.grad is not None)
         model.zero_grad()
-        return float(loss), norm
+        return float(loss.detach()), norm
 
     before = loss_and_grad_norm()
     cbcore.enable(model)
