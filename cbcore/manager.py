@@ -102,7 +102,13 @@ class ContinuousBatchingManager:
         self.runner: ModelRunner | None = None
         self._live_ids: set[str] = set()
         self.warmed_up = False
-        self.stats = {"steps": 0, "computed_tokens": 0, "computed_prompt_tokens": 0, "generated_tokens": 0}
+        self._counters = {
+            "steps": 0,
+            "computed_tokens": 0,
+            "computed_prompt_tokens": 0,
+            "recomputed_tokens": 0,
+            "generated_tokens": 0,
+        }
 
         # The model's attention is switched by start() and restored by stop(): a manager that is built but never
         # started leaves the model untouched (transformers switches it in __init__).
@@ -505,19 +511,22 @@ class ContinuousBatchingManager:
         for item, token, logprob in zip(result.emitted, result.tokens, logprobs):
             state = item.state
             state.status = RequestStatus.DECODING
-            self.stats["generated_tokens"] += 1
+            self._counters["generated_tokens"] += 1
             if state.append_token(token, logprob):
                 self._end(state, RequestStatus.FINISHED)
             elif state.streaming:
                 self.output_router.deliver(state.to_generation_output())
 
     def _account(self, batch: ScheduledBatch) -> None:
-        self.stats["steps"] += 1
+        counters = self._counters
+        counters["steps"] += 1
         for item in batch.requests:
-            start = item.state.num_computed_tokens
-            self.stats["computed_tokens"] += item.num_tokens
-            prompt_end = len(item.state.initial_tokens)
-            self.stats["computed_prompt_tokens"] += max(0, min(start + item.num_tokens, prompt_end) - start)
+            state = item.state
+            start, end = state.num_computed_tokens, state.num_computed_tokens + item.num_tokens
+            counters["computed_tokens"] += item.num_tokens
+            counters["computed_prompt_tokens"] += max(0, min(end, len(state.initial_tokens)) - start)
+            counters["recomputed_tokens"] += max(0, min(end, state.max_computed_tokens) - start)
+            state.max_computed_tokens = max(state.max_computed_tokens, end)
 
     def _end(self, state: RequestState, status: RequestStatus, track: bool = True) -> None:
         """Give a request its one terminal output and release everything it holds."""
@@ -549,6 +558,29 @@ class ContinuousBatchingManager:
         when the loop is stopped (the loop thread owns the engine state while it runs)."""
         if self.cache is not None:
             self.cache.check(self.scheduler.live_requests())
+
+    def stats(self) -> dict[str, int | float]:
+        """Counters to log, since the manager was built: steps; computed, prompt, recomputed and generated tokens;
+        blocks free / cached (unused) / used; prefix-cache lookups, hits, hit rate and prompt tokens it saved;
+        evictions; preemptions; admissions deferred to share an in-flight prefix. Safe to call from any thread
+        (a snapshot that may be one step stale while the loop runs)."""
+        stats: dict[str, int | float] = dict(self._counters)
+        if self.cache is not None:
+            allocator = self.cache.allocator.stats()
+            stats.update(
+                num_blocks=self.cache.num_blocks,
+                blocks_free=allocator["num_free"],
+                blocks_cached=allocator["num_cached_unused"],
+                blocks_used=allocator["num_referenced"],
+                prefix_lookups=allocator["lookups"],
+                prefix_hits=allocator["hits"],
+                prefix_hit_rate=allocator["hits"] / allocator["lookups"] if allocator["lookups"] else 0.0,
+                prefix_hit_tokens=self.scheduler.num_prefix_hit_tokens,
+                evictions=allocator["evictions"],
+                preemptions=self.scheduler.num_preemptions,
+                deferred_admissions=self.scheduler.num_deferred_admissions,
+            )
+        return stats
 
     @property
     def prefix_hit_tokens(self) -> int:

@@ -101,8 +101,12 @@ class RequestState:
     num_committed_blocks: int = 0
     # Prompt tokens that came from the prefix cache at the last admission (not recomputed).
     num_prefix_hit_tokens: int = 0
-    # How many times this request was preempted (its blocks freed and its tokens recomputed later).
+    # How many times this request was preempted (its blocks freed and its tokens recomputed later), and how many
+    # tokens it had generated at the last preemption (until it generates more, it is not preempted again).
     num_preemptions: int = 0
+    generated_at_last_preemption: int = 0
+    # The most tokens this request ever had computed: anything computed again below this mark is recomputation.
+    max_computed_tokens: int = 0
     # Monotonic admission stamp: the scheduler preempts the most recently admitted request first.
     admission_order: int = -1
     # Set of EOS ids (transformers ignores negative ids).

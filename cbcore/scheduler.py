@@ -8,11 +8,13 @@ Budgets per step: query tokens (`max_batch_tokens`, long prompts are split: chun
 (`max_requests_per_batch`), and free blocks. When a running request needs a block and none is free, the allocator
 first evicts cached blocks nobody uses (LRU); if that is not enough, the most recently admitted request is preempted:
 its blocks are released and it goes back to the head of the queue, to be recomputed (prompt + generated so far) later,
-with unchanged output.
+with unchanged output. A request preempted before is not chosen again until it has generated a new token (no thrash).
 
 Two orders, as in transformers: "fifo" runs decodes first, then unfinished prefills, then new requests;
 "prefill_first" runs unfinished prefills first, then decodes, then new requests. New requests are admitted in
-arrival order; the head of the queue is never overtaken, so a large request cannot starve.
+arrival order and a request waiting for memory is never overtaken, so a large request cannot starve. The one
+exception: a request whose prompt starts with blocks that a running prefill is computing right now waits for them
+(and shares them) while the requests behind it go ahead.
 """
 
 from __future__ import annotations
@@ -95,6 +97,11 @@ def _is_prefilling(state: RequestState) -> bool:
     return state.num_uncomputed_tokens > 1 or not state.generated_tokens
 
 
+def _is_protected(state: RequestState) -> bool:
+    """Preempted before, and no new token since: preempting it again would only repeat the same work."""
+    return state.num_preemptions > 0 and len(state.generated_tokens) <= state.generated_at_last_preemption
+
+
 class Scheduler:
     """Owns the waiting queue and the running list; produces one `ScheduledBatch` per step."""
 
@@ -114,9 +121,10 @@ class Scheduler:
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []  # in admission order: the last one is preempted first
         self._admissions = 0
-        # Counters, read by tests and benchmarks.
+        # Counters, read by tests, benchmarks and `ContinuousBatchingManager.stats()`.
         self.num_prefix_hit_tokens = 0
         self.num_preemptions = 0
+        self.num_deferred_admissions = 0
 
     # ---- queue management --------------------------------------------------------------------------------------
 
@@ -170,18 +178,24 @@ class Scheduler:
         return batch
 
     def _admit_waiting(self, batch: ScheduledBatch, token_budget: int, scheduled: set[int]) -> None:
-        """Admit queued requests in arrival order while budgets last; the head is never overtaken."""
-        while self.waiting and token_budget > 0 and len(batch.requests) < self.max_requests_per_batch:
+        """Admit queued requests in arrival order while budgets last. A request that cannot get its blocks stops
+        admission (it is never overtaken for memory); a request whose next prompt blocks a running prefill is about
+        to compute waits for them instead (it is skipped, and shares them next time)."""
+        for state in list(self.waiting):
+            if token_budget == 0 or len(batch.requests) >= self.max_requests_per_batch:
+                break
             if batch.requests and not self._within_safety_margin():
                 break  # keep headroom for the running requests' growth
-            state = self.waiting[0]
+            if self.cache.allow_prefix_sharing and self._prefix_in_flight(state):
+                self.num_deferred_admissions += 1
+                continue
             hit_tokens = self.cache.match_prefix(state)
             num_tokens = min(self._tokens_before_fork(state), token_budget)
             if not self.cache.can_grow(state, state.num_computed_tokens + num_tokens):
                 self.cache.release(state)  # give back the shared prefix blocks; try again next step
                 break
             self.cache.grow(state, state.num_computed_tokens + num_tokens)
-            self.waiting.popleft()
+            self.waiting.remove(state)
             self.num_prefix_hit_tokens += hit_tokens
             state.num_prefix_hit_tokens = hit_tokens
             state.admission_order = self._admissions
@@ -193,6 +207,30 @@ class Scheduler:
                 batch.requests.append(ScheduledRequest(state, num_tokens))
                 scheduled.add(id(state))
                 token_budget -= num_tokens
+
+    def _prefix_in_flight(self, state: RequestState) -> bool:
+        """Whether a running request is computing full prompt blocks that `state` could share but that are not in
+        the prefix cache yet. transformers hashes blocks only after the forward, so requests arriving together each
+        compute their shared prefix; here the later ones wait until the first one's blocks are committed, then
+        share them (`match_prefix`). Only prefilling requests are compared, first token first, so this is cheap."""
+        page = self.cache.page_size
+        shareable_blocks = (state.num_tokens - 1) // page
+        if shareable_blocks == 0:
+            return False
+        tokens = state.all_tokens
+        for other in self.running:
+            if other.num_computed_tokens >= shareable_blocks * page or not _is_prefilling(other):
+                continue
+            if other.all_tokens[0] != tokens[0]:
+                continue
+            shared = 0
+            while shared < shareable_blocks and (shared + 1) * page <= other.num_tokens and (
+                other.all_tokens[shared * page : (shared + 1) * page] == tokens[shared * page : (shared + 1) * page]
+            ):
+                shared += 1
+            if shared and other.num_computed_tokens < shared * page:
+                return True
+        return False
 
     @staticmethod
     def _tokens_before_fork(state: RequestState) -> int:
@@ -231,11 +269,12 @@ class Scheduler:
     def _make_room(self, state: RequestState, num_tokens: int, scheduled: set[int], batch: ScheduledBatch) -> bool:
         """Grow `state` to `num_tokens` tokens, preempting the most recently admitted unscheduled requests if needed.
 
-        Returns False when `state` cannot run this step; it is then either preempted itself (others hold the
-        blocks) or, when it alone exceeds the whole cache, capped (it ends, bounded by the cache's capacity).
+        Returns False when `state` cannot run this step; it is then preempted itself (others hold the blocks), or
+        waits holding its blocks if it is protected from preemption, or, when it alone exceeds the whole cache, is
+        capped (it ends, bounded by the cache's capacity).
         """
         while not self.cache.can_grow(state, num_tokens):
-            victim = next((r for r in reversed(self.running) if r is not state and id(r) not in scheduled), None)
+            victim = self._choose_victim(state, scheduled)
             if victim is None:
                 break
             self._preempt(victim, batch)
@@ -245,14 +284,28 @@ class Scheduler:
         if len(self.running) == 1 and not scheduled:
             self.running.remove(state)
             batch.capped.append(state)
-        else:
+        elif not _is_protected(state):
             self._preempt(state, batch)
+        # A protected request keeps its blocks and waits: the requests in this step will free some.
         return False
+
+    def _choose_victim(self, state: RequestState, scheduled: set[int]) -> RequestState | None:
+        """Policy: the most recently admitted request not already in this step's batch, skipping requests that were
+        preempted before and have not generated a token since (so a request cannot thrash). A request that is itself
+        protected may preempt protected ones: someone must make progress. None: `state` should yield instead."""
+        candidates = [r for r in reversed(self.running) if r is not state and id(r) not in scheduled]
+        for candidate in candidates:
+            if not _is_protected(candidate):
+                return candidate
+        if _is_protected(state) and candidates:
+            return candidates[0]
+        return None
 
     def _preempt(self, state: RequestState, batch: ScheduledBatch) -> None:
         """Release a running request's blocks and queue it first, to be recomputed from its tokens so far."""
         self.running.remove(state)
         self.cache.release(state)
+        state.generated_at_last_preemption = len(state.generated_tokens)
         state.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(state)

@@ -55,7 +55,7 @@ def test_hard_stop_fails_pending_requests_with_their_partial_tokens() -> None:
     ids = manager.add_requests(random_prompts([4, 6], seed=51))
     first = manager.get_result(timeout=0.5)
     assert first is None  # still generating
-    while manager.stats["generated_tokens"] < 6:
+    while manager.stats()["generated_tokens"] < 6:
         threading.Event().wait(0.01)
     manager.stop(block=True, hard_stop=True)
     finals = {}
@@ -228,9 +228,9 @@ def test_pause_held_by_two_threads_freezes_the_loop_and_loses_nothing() -> None:
     for thread in holders:
         thread.start()
     both_inside.wait(timeout=30)
-    frozen_steps.append(manager.stats["steps"])
+    frozen_steps.append(manager.stats()["steps"])
     threading.Event().wait(0.3)
-    frozen_steps.append(manager.stats["steps"])
+    frozen_steps.append(manager.stats()["steps"])
     release.set()
     for thread in holders:
         thread.join(timeout=30)

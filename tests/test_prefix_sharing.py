@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 import cbcore
-from conftest import assert_engine_clean, collect_outputs, greedy_config, random_prompts, reference_tokens, tiny_model
+from conftest import (
+    assert_engine_clean,
+    collect_outputs,
+    greedy_config,
+    random_prompts,
+    reference_tokens,
+    run_engine,
+    tiny_model,
+)
 
 PAGE = 16
 SHARED_BLOCKS = 3
@@ -44,8 +52,8 @@ def test_shared_prefix_is_not_recomputed_and_outputs_are_unchanged() -> None:
     shared_tokens = PAGE * SHARED_BLOCKS * 4  # each of the 4 followers reuses the first prompt's 3 full blocks
     assert manager_on.prefix_hit_tokens == shared_tokens
     assert manager_off.prefix_hit_tokens == 0
-    computed_on = manager_on.stats["computed_prompt_tokens"]
-    computed_off = manager_off.stats["computed_prompt_tokens"]
+    computed_on = manager_on.stats()["computed_prompt_tokens"]
+    computed_off = manager_off.stats()["computed_prompt_tokens"]
     assert computed_off == sum(len(p) for p in prompts)
     assert computed_on == computed_off - shared_tokens
 
@@ -88,3 +96,30 @@ def test_cached_blocks_are_evicted_for_new_requests_when_memory_runs_out() -> No
         manager.stop()
     assert manager.cache.allocator.stats()["evictions"] > 0
     assert_engine_clean(manager)
+
+
+def test_requests_arriving_together_compute_their_shared_prefix_once() -> None:
+    """transformers hashes blocks only after the forward, so requests admitted together each compute the prefix;
+    cbcore admits the first and lets the others start from its blocks once they are committed."""
+    model = tiny_model("qwen2")
+    first, followers = shared_prefix_workload()
+    prompts = [first] + followers
+    config = cbcore.ContinuousBatchingConfig(page_size=PAGE, num_blocks=64)
+    outputs, manager = run_engine(model, prompts, greedy_config(6), config)
+    stats = manager.stats()
+    assert stats["computed_prompt_tokens"] == sum(len(p) for p in prompts) - PAGE * SHARED_BLOCKS * (len(prompts) - 1)
+    assert stats["prefix_hit_tokens"] == PAGE * SHARED_BLOCKS * (len(prompts) - 1)
+    assert stats["deferred_admissions"] > 0
+    for prompt, output in zip(prompts, outputs.values()):
+        assert output.generated_tokens == reference_tokens(model, prompt, greedy_config(6))
+
+
+def test_stats_report_blocks_and_prefix_hits() -> None:
+    _, outputs, manager = serve_first_then_followers(allow_block_sharing=True)
+    stats = manager.stats()
+    assert stats["blocks_used"] == 0
+    assert stats["blocks_free"] + stats["blocks_cached"] == stats["num_blocks"] == 64
+    assert stats["prefix_hits"] == SHARED_BLOCKS * 4
+    assert 0 < stats["prefix_hit_rate"] <= 1
+    assert stats["generated_tokens"] == sum(len(output.generated_tokens) for output in outputs)
+    assert stats["recomputed_tokens"] == 0 and stats["preemptions"] == 0

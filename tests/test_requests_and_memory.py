@@ -201,3 +201,30 @@ def test_short_generations(max_new_tokens: int) -> None:
     outputs, _ = run_engine(model, prompts, greedy_config(max_new_tokens), cbcore.ContinuousBatchingConfig(page_size=4))
     for prompt, output in zip(prompts, outputs.values()):
         assert output.generated_tokens == reference_tokens(model, prompt, greedy_config(max_new_tokens))
+
+
+def test_a_preempted_request_is_not_preempted_again_before_it_makes_progress(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cbcore.scheduler import Scheduler
+
+    model = tiny_model("llama_gqa")
+    prompts = random_prompts([13, 21, 8, 30, 17, 25, 11, 19], seed=15)
+    preemptions: list[tuple[str, int]] = []
+    original = Scheduler._preempt
+
+    def spy(self, state, batch):
+        preemptions.append((state.request_id, len(state.generated_tokens)))
+        original(self, state, batch)
+
+    monkeypatch.setattr(Scheduler, "_preempt", spy)
+    # Small chunks: a recompute spans several steps, during which the others keep needing blocks.
+    config = cbcore.ContinuousBatchingConfig(page_size=4, num_blocks=14, max_batch_tokens=8)
+    outputs, manager = run_engine(model, prompts, greedy_config(20), config)
+    assert len(preemptions) >= 5
+    for request_id in {rid for rid, _ in preemptions}:
+        progress = [generated for rid, generated in preemptions if rid == request_id]
+        assert progress == sorted(set(progress)), f"{request_id} was preempted again without progress: {progress}"
+    stats = manager.stats()
+    assert stats["preemptions"] == len(preemptions)
+    assert stats["recomputed_tokens"] > 0
+    for prompt, output in zip(prompts, outputs.values()):
+        assert output.generated_tokens == reference_tokens(model, prompt, greedy_config(20))

@@ -42,9 +42,9 @@ def test_two_hundred_requests_with_cancels_a_pause_preemption_and_bad_input() ->
             manager.add_request(request_id=request_id, **spec)
             if position == len(ids) // 2:
                 with manager.pause():
-                    paused_at = manager.stats["steps"]
+                    paused_at = manager.stats()["steps"]
                     threading.Event().wait(0.05)
-                    assert manager.stats["steps"] == paused_at
+                    assert manager.stats()["steps"] == paused_at
             if request_id in to_cancel and rng.random() < 0.5:
                 manager.cancel_request(request_id)  # right away: usually before it runs
         for request_id in sorted(to_cancel):
