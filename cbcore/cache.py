@@ -8,8 +8,10 @@ Who holds a block reference (the allocator counts them; `check()` proves the cou
 
 | holder                      | takes a reference                        | releases it                              |
 |-----------------------------|------------------------------------------|------------------------------------------|
-| a request's `block_table`   | `grow()` (fresh blocks), `match_prefix()` | `release()`: finish, failure, preemption |
+| a request's `block_table`   | `grow()` (fresh blocks), `match_prefix()`, `fork()`, `swap_in()` | `release()`, `swap_out()` |
 | the prefix cache            | never: a hashed block with no holder sits in the allocator's LRU list, reusable until evicted |
+
+Host blocks of the swap pool are held by swapped-out requests (`RequestState.host_blocks`); see cbcore/swap.py.
 
 The scheduler calls the bookkeeping methods (it decides); the runner reads the tensors (it executes).
 """
@@ -26,6 +28,7 @@ import torch
 
 from ._C import BlockAllocator
 from .requests import RequestState
+from .swap import HostSwap
 
 # On a CPU the KV cache lives in the same RAM as everything else; never take more than this by default, so a small
 # model on a laptop-sized machine cannot push it into swap (transformers takes 60% of free RAM on CPU).
@@ -109,6 +112,15 @@ class PagedKVCache:
         self.key_caches = [torch.zeros(page_shape, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
         self.value_caches = [torch.zeros(page_shape, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
         self.allocator = BlockAllocator(num_blocks, page_size)
+        self.swap: HostSwap | None = None
+
+    def enable_swap(self, num_host_blocks: int) -> None:
+        """Attach a host pool of `num_host_blocks` blocks: preempted requests may then be swapped out."""
+        shape = self.shape
+        self.swap = HostSwap(
+            shape.num_layers, num_host_blocks, self.page_size, shape.num_kv_heads, shape.head_dim, shape.dtype,
+            self.key_caches, self.value_caches,
+        )
 
     @property
     def capacity_tokens(self) -> int:
@@ -131,7 +143,7 @@ class PagedKVCache:
 
         At least one token is always left to compute, so the last prompt position still produces logits.
         """
-        if not self.allow_prefix_sharing or state.block_table:
+        if not self.allow_prefix_sharing or state.block_table or state.host_blocks:
             return 0
         max_blocks = (state.num_tokens - 1) // self.page_size
         if max_blocks <= 0:
@@ -185,8 +197,41 @@ class PagedKVCache:
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_committed_blocks = min(parent.num_committed_blocks, num_full)
 
+    def can_swap_out(self, state: RequestState) -> bool:
+        """Whether preempting `state` should swap it out: the pool has room and copying beats recomputing."""
+        if self.swap is None or state.num_computed_tokens == 0:
+            return False
+        blocks = self.blocks_for(state.num_computed_tokens)
+        return blocks <= self.swap.num_free and self.swap.policy.prefer_swap(
+            state.num_computed_tokens, blocks * self.page_size
+        )
+
+    def swap_out(self, state: RequestState) -> None:
+        """Copy the request's computed blocks to the host (queued for this step's flush) and release its device
+        blocks; it keeps `num_computed_tokens` and resumes with `swap_in`."""
+        computed_blocks = state.block_table[: self.blocks_for(state.num_computed_tokens)]
+        state.host_blocks = self.swap.swap_out(computed_blocks)
+        self.allocator.free(state.block_table[::-1])
+        state.block_table = []
+        state.num_committed_blocks = 0
+
+    def swap_in(self, state: RequestState, num_tokens: int) -> None:
+        """Give a swapped-out request device blocks for `num_tokens` tokens and queue the copy of its host blocks
+        into the first of them; call `can_grow(state, num_tokens)` first."""
+        self.grow(state, num_tokens)
+        self.swap.swap_in(state.host_blocks, state.block_table[: len(state.host_blocks)])
+        state.host_blocks = []
+
+    def flush_swaps(self) -> None:
+        """Issue this step's queued swap copies (before the forward)."""
+        if self.swap is not None:
+            self.swap.flush()
+
     def release(self, state: RequestState) -> None:
         """Drop the request's references; its computed K/V is forgotten (hashed blocks stay cached until evicted)."""
+        if state.host_blocks:
+            self.swap.release(state.host_blocks)
+            state.host_blocks = []
         if state.block_table:
             # Tail first: the allocator appends each released hashed block to the LRU list, so the request's first
             # blocks (the prefix most likely shared by the next request) become the last to be evicted.
@@ -199,6 +244,9 @@ class PagedKVCache:
 
     def check(self, live_requests: Iterable[RequestState]) -> None:
         """Assert the allocator's invariants and that each block's refcount equals the block tables holding it."""
+        live_requests = list(live_requests)
         holders = Counter(block for state in live_requests for block in state.block_table)
         self.allocator.check()
         self.allocator.check_holders(dict(holders))
+        if self.swap is not None:
+            self.swap.check(dict(Counter(block for state in live_requests for block in state.host_blocks)))

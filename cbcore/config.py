@@ -35,12 +35,14 @@ class ContinuousBatchingConfig(_TransformersCBConfig):
         safety_margin: share of blocks kept free before admitting new prefills (fifo default 0.15, prefill_first 0.0
             as in transformers).
         return_logprobs, seed, max_queue_size, per_request_processors: as in transformers.
+        cpu_offload_space, cpu_offload_space_safety_threshold: a host pool (GiB; None = the whole cap) that
+            preempted requests are swapped to, capped at the threshold share of RAM; works without a GPU.
         drop_unsupported_processors: cbcore applies every logits processor `model.generate` builds (with each
             request's real history), so there is nothing to drop; accepted for compatibility.
         auto_switch_to_flash, disable_nccl_graph_mixing, cpu_group_timeout: accepted; cbcore always runs its own paged
             attention in a single process, so they have no effect.
         use_cuda_graph, q/kv_padding_interval_size, varlen/decode_compile_config, default_compile_level,
-            use_async_batching, cpu_offload_space: not supported yet; asking for them raises
+            use_async_batching: not supported yet; asking for them raises
             NotImplementedError (see `check_supported`) rather than being ignored.
     """
 
@@ -97,11 +99,6 @@ class ContinuousBatchingConfig(_TransformersCBConfig):
             )
         if self.use_async_batching:
             raise NotImplementedError("use_async_batching=True is not supported yet; leave it None or False")
-        if self.cpu_offload_space is None or self.cpu_offload_space > 0:
-            raise NotImplementedError(
-                "cpu_offload_space (swap to host) is not supported yet; preempted requests are recomputed. "
-                "Leave cpu_offload_space=0.0"
-            )
 
 
 def as_cbcore_config(config: _TransformersCBConfig | None) -> ContinuousBatchingConfig:

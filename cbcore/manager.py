@@ -32,6 +32,7 @@ from .outputs import OutputRouter
 from .requests import GenerationOutput, RequestState, RequestStatus
 from .runner import ModelRunner
 from .sampling import Sampler
+from .swap import plan_num_host_blocks
 from .scheduler import SCHEDULING_ORDERS, ScheduledBatch, Scheduler
 
 logger = logging.getLogger("cbcore")
@@ -162,6 +163,17 @@ class ContinuousBatchingManager:
                 shape, cfg.page_size, device, percent, self._activation_bytes(max_batch_tokens, max_requests), useful
             )
         self.cache = PagedKVCache(shape, num_blocks, cfg.page_size, device, cfg.allow_block_sharing)
+        if cfg.cpu_offload_space is None or cfg.cpu_offload_space > 0:
+            bytes_per_block = shape.bytes_per_token * cfg.page_size
+            num_host_blocks = plan_num_host_blocks(
+                cfg.cpu_offload_space, cfg.cpu_offload_space_safety_threshold, bytes_per_block
+            )
+            if num_host_blocks < 1:
+                raise ValueError(
+                    f"cpu_offload_space={cfg.cpu_offload_space} GiB holds no block of {bytes_per_block} bytes "
+                    f"(after the cpu_offload_space_safety_threshold cap); raise it or set it to 0 to disable swap"
+                )
+            self.cache.enable_swap(num_host_blocks)
         max_requests = min(max_requests, max_batch_tokens)
         self.scheduler = Scheduler(
             self.cache,
@@ -495,8 +507,10 @@ class ContinuousBatchingManager:
             self._end(state, RequestStatus.FAILED)
         for child in batch.forked:
             self._live_ids.add(child.request_id)
+        self.cache.flush_swaps()
         if not batch.requests:
             return
+        started = time.perf_counter()
         try:
             result = self.runner.execute(batch)
         except Exception as error:  # noqa: BLE001 - a failing forward fails its batch, not the loop
@@ -505,6 +519,8 @@ class ContinuousBatchingManager:
                 item.state.error = f"request {item.state.request_id}: forward failed: {type(error).__name__}: {error}"
                 self._end(item.state, RequestStatus.FAILED)
             return
+        if self.cache.swap is not None and any(item.num_tokens > 1 for item in batch.requests):
+            self.cache.swap.policy.observe_prefill(batch.num_tokens, time.perf_counter() - started)
         self._account(batch)
         self.scheduler.on_step_done(batch)
         logprobs = result.logprobs or [None] * len(result.tokens)
@@ -562,7 +578,8 @@ class ContinuousBatchingManager:
     def stats(self) -> dict[str, int | float]:
         """Counters to log, since the manager was built: steps; computed, prompt, recomputed and generated tokens;
         blocks free / cached (unused) / used; prefix-cache lookups, hits, hit rate and prompt tokens it saved;
-        evictions; preemptions; admissions deferred to share an in-flight prefix. Safe to call from any thread
+        evictions; preemptions (swapped or recomputed); swaps out / in with bytes and host blocks free (with
+        `cpu_offload_space`); admissions deferred to share an in-flight prefix. Safe to call from any thread
         (a snapshot that may be one step stale while the loop runs)."""
         stats: dict[str, int | float] = dict(self._counters)
         if self.cache is not None:
@@ -578,8 +595,13 @@ class ContinuousBatchingManager:
                 prefix_hit_tokens=self.scheduler.num_prefix_hit_tokens,
                 evictions=allocator["evictions"],
                 preemptions=self.scheduler.num_preemptions,
+                swap_preemptions=self.scheduler.num_swap_preemptions,
+                recompute_preemptions=self.scheduler.num_preemptions - self.scheduler.num_swap_preemptions,
                 deferred_admissions=self.scheduler.num_deferred_admissions,
             )
+            if self.cache.swap is not None:
+                stats.update(self.cache.swap.counters)
+                stats.update(host_blocks=self.cache.swap.num_host_blocks, host_blocks_free=self.cache.swap.num_free)
         return stats
 
     @property

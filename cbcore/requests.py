@@ -97,6 +97,8 @@ class RequestState:
     num_computed_tokens: int = 0
     # Physical block ids holding this request's K/V, in token order; token t lives in block_table[t // page_size].
     block_table: list[int] = field(default_factory=list)
+    # While swapped out: the host blocks holding its first `num_computed_tokens` tokens' K/V (block_table is empty).
+    host_blocks: list[int] = field(default_factory=list)
     # How many leading blocks of `block_table` have been offered to the prefix cache (full blocks only).
     num_committed_blocks: int = 0
     # Prompt tokens that came from the prefix cache at the last admission (not recomputed).

@@ -125,6 +125,7 @@ class Scheduler:
         self.num_prefix_hit_tokens = 0
         self.num_preemptions = 0
         self.num_deferred_admissions = 0
+        self.num_swap_preemptions = 0
 
     # ---- queue management --------------------------------------------------------------------------------------
 
@@ -186,15 +187,20 @@ class Scheduler:
                 break
             if batch.requests and not self._within_safety_margin():
                 break  # keep headroom for the running requests' growth
-            if self.cache.allow_prefix_sharing and self._prefix_in_flight(state):
+            swapped = bool(state.host_blocks)
+            if not swapped and self.cache.allow_prefix_sharing and self._prefix_in_flight(state):
                 self.num_deferred_admissions += 1
                 continue
             hit_tokens = self.cache.match_prefix(state)
             num_tokens = min(self._tokens_before_fork(state), token_budget)
             if not self.cache.can_grow(state, state.num_computed_tokens + num_tokens):
-                self.cache.release(state)  # give back the shared prefix blocks; try again next step
+                if not swapped:
+                    self.cache.release(state)  # give back the shared prefix blocks; try again next step
                 break
-            self.cache.grow(state, state.num_computed_tokens + num_tokens)
+            if swapped:
+                self.cache.swap_in(state, state.num_computed_tokens + num_tokens)
+            else:
+                self.cache.grow(state, state.num_computed_tokens + num_tokens)
             self.waiting.remove(state)
             self.num_prefix_hit_tokens += hit_tokens
             state.num_prefix_hit_tokens = hit_tokens
@@ -302,9 +308,14 @@ class Scheduler:
         return None
 
     def _preempt(self, state: RequestState, batch: ScheduledBatch) -> None:
-        """Release a running request's blocks and queue it first, to be recomputed from its tokens so far."""
+        """Take a running request's blocks and queue it first: swapped out to the host when the cache's swap policy
+        says so (it resumes where it was), otherwise released, to be recomputed from its tokens so far."""
         self.running.remove(state)
-        self.cache.release(state)
+        if self.cache.can_swap_out(state):
+            self.cache.swap_out(state)
+            self.num_swap_preemptions += 1
+        else:
+            self.cache.release(state)
         state.generated_at_last_preemption = len(state.generated_tokens)
         state.num_preemptions += 1
         self.num_preemptions += 1

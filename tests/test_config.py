@@ -57,7 +57,6 @@ def test_out_of_range_values_raise_a_value_error_naming_the_field(kwargs: dict, 
         {"q_padding_interval_size": 64},
         {"default_compile_level": 1},
         {"use_async_batching": True},
-        {"cpu_offload_space": 1.0},
     ],
 )
 def test_unsupported_options_raise_instead_of_being_ignored(kwargs: dict) -> None:

@@ -1,0 +1,162 @@
+"""Swap to host: a preempted request's K/V blocks are copied into a host pool and copied back when it resumes,
+instead of being recomputed (`cpu_offload_space > 0`). Works on a machine without a GPU (plain memory; pinned when
+CUDA is present).
+
+The copies themselves are `cbcore._C.SwapPool` (csrc/swap): many blocks across all layers in one call per direction.
+This module owns the host block ids and batches the copies of a step: the scheduler queues swap-outs and swap-ins
+while it decides, and `flush()` issues them once, before the step's forward (swap-outs first, so a device block freed
+by a swap-out can receive a swap-in in the same step; host blocks emptied by a swap-in are reused only from the next
+step on, so a swap-out can never overwrite a host block that is still being read).
+
+Who holds a host block:
+
+| holder | takes it | releases it |
+|---|---|---|
+| a swapped-out request (`RequestState.host_blocks`) | `swap_out()` | `swap_in()` (after the step's copies), or `release()` when it ends while swapped out |
+
+Swap or recompute? `SwapPolicy.prefer_swap` compares the time to copy a request's blocks out and back in (bytes over
+the host copy bandwidth measured when the pool is built) with the time to recompute its tokens (tokens over the
+prefill throughput the engine measures as it runs). Short contexts on a fast accelerator recompute; long ones, and
+almost everything on a CPU (where prefill is slow and memcpy is fast), swap.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import psutil
+import torch
+
+from ._C import SwapPool
+
+GIB = 2**30
+
+
+def plan_num_host_blocks(offload_space_gib: float | None, safety_threshold: float, bytes_per_block: int) -> int:
+    """Host blocks for `cpu_offload_space` GiB, capped at `safety_threshold` of the machine's RAM (as transformers;
+    None takes the whole cap)."""
+    cap = safety_threshold * psutil.virtual_memory().total
+    wanted = cap if offload_space_gib is None else min(offload_space_gib * GIB, cap)
+    return int(wanted // bytes_per_block)
+
+
+class SwapPolicy:
+    """The swap-or-recompute rule, from two measured rates."""
+
+    def __init__(self, bytes_per_token: int, host_copy_bytes_per_s: float) -> None:
+        self.bytes_per_token = bytes_per_token
+        self.host_copy_bytes_per_s = host_copy_bytes_per_s
+        self.prefill_tokens_per_s: float | None = None  # unknown until the engine has run a prefill
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """Fold one step's prefill throughput into the running estimate."""
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        rate = num_tokens / seconds
+        previous = self.prefill_tokens_per_s
+        self.prefill_tokens_per_s = rate if previous is None else 0.8 * previous + 0.2 * rate
+
+    def copy_seconds(self, num_block_tokens: int) -> float:
+        """Time to copy this many tokens' worth of blocks out and back in."""
+        return 2 * num_block_tokens * self.bytes_per_token / self.host_copy_bytes_per_s
+
+    def recompute_seconds(self, num_tokens: int) -> float:
+        """Time to prefill these tokens again, at the measured rate (0 when not measured yet)."""
+        return num_tokens / self.prefill_tokens_per_s if self.prefill_tokens_per_s else float("inf")
+
+    def prefer_swap(self, num_tokens: int, num_block_tokens: int) -> bool:
+        """Swap when copying the blocks out and in is faster than recomputing the tokens."""
+        return self.copy_seconds(num_block_tokens) < self.recompute_seconds(num_tokens)
+
+
+class HostSwap:
+    """Host block ids, the batched copies of one step, and the swap counters."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_host_blocks: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        key_caches: list[torch.Tensor],
+        value_caches: list[torch.Tensor],
+    ) -> None:
+        self.pool = SwapPool(num_layers, num_host_blocks, page_size, num_kv_heads, head_dim, dtype, None)
+        self.num_host_blocks = num_host_blocks
+        self.page_size = page_size
+        self._key_caches = key_caches
+        self._value_caches = value_caches
+        self._free: list[int] = list(range(num_host_blocks - 1, -1, -1))
+        self._out: tuple[list[int], list[int]] = ([], [])  # (device ids, host ids) queued this step
+        self._in: tuple[list[int], list[int]] = ([], [])  # (host ids, device ids) queued this step
+        self.bytes_per_block = self.pool.nbytes // num_host_blocks
+        self.counters = {"swap_outs": 0, "swap_ins": 0, "swap_bytes_out": 0, "swap_bytes_in": 0}
+        self.policy = SwapPolicy(self.bytes_per_block // page_size, self._measure_copy_bandwidth())
+
+    @property
+    def num_free(self) -> int:
+        """Host blocks free for the next swap-out."""
+        return len(self._free)
+
+    def swap_out(self, device_blocks: list[int]) -> list[int]:
+        """Queue copies of these device blocks into fresh host blocks; returns the host ids (the caller may release
+        the device blocks at once: nothing runs on them before this step's `flush`)."""
+        host_blocks = [self._free.pop() for _ in device_blocks]
+        self._out[0].extend(device_blocks)
+        self._out[1].extend(host_blocks)
+        self.counters["swap_outs"] += 1
+        self.counters["swap_bytes_out"] += len(device_blocks) * self.bytes_per_block
+        return host_blocks
+
+    def swap_in(self, host_blocks: list[int], device_blocks: list[int]) -> None:
+        """Queue copies of these host blocks into these device blocks; the host blocks are free after the flush."""
+        self._in[0].extend(host_blocks)
+        self._in[1].extend(device_blocks)
+        self.counters["swap_ins"] += 1
+        self.counters["swap_bytes_in"] += len(host_blocks) * self.bytes_per_block
+
+    def release(self, host_blocks: Iterable[int]) -> None:
+        """Give back the host blocks of a request that ended while swapped out."""
+        self._free.extend(host_blocks)
+
+    def flush(self) -> None:
+        """Issue the step's copies (one call per direction) and order the step's forward after them."""
+        if self._out[0]:
+            self.pool.swap_out(self._key_caches, self._value_caches, self._out[0], self._out[1])
+        if self._in[0]:
+            self.pool.swap_in(self._key_caches, self._value_caches, self._in[0], self._in[1])
+        if self._out[0] or self._in[0]:
+            self.pool.wait_on_current_stream()
+        self._free.extend(self._in[0])
+        self._out = ([], [])
+        self._in = ([], [])
+
+    def check(self, holders: dict[int, int]) -> None:
+        """Every host block is free or held by exactly one swapped-out request, never both."""
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise RuntimeError("swap pool: a host block is in the free list twice")
+        for block, count in holders.items():
+            if count != 1:
+                raise RuntimeError(f"swap pool: host block {block} is held by {count} requests")
+            if block in free:
+                raise RuntimeError(f"swap pool: host block {block} is both free and held")
+        if len(free) + len(holders) != self.num_host_blocks:
+            raise RuntimeError(
+                f"swap pool: {self.num_host_blocks - len(free) - len(holders)} host blocks leaked (neither free nor held)"
+            )
+
+    def _measure_copy_bandwidth(self) -> float:
+        """Bytes per second of a device -> host block copy, timed on a few blocks (their contents do not matter)."""
+        count = min(8, self.num_host_blocks, self._key_caches[0].shape[0])
+        ids = list(range(count))
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            self.pool.swap_out(self._key_caches, self._value_caches, ids, ids)
+            self.pool.synchronize()
+            best = min(best, time.perf_counter() - start)
+        return count * self.bytes_per_block / max(best, 1e-9)

@@ -1,0 +1,96 @@
+"""Swap to host under memory pressure: preempted requests are copied out and back in instead of recomputed, on a
+machine without a GPU too; outputs never change, nothing fails, nothing leaks (allocator and host pool checked)."""
+
+from __future__ import annotations
+
+import pytest
+
+import cbcore
+from cbcore.swap import SwapPolicy
+from conftest import greedy_config, random_prompts, reference_tokens, run_engine, tiny_model
+
+# 10 blocks of 4 tokens for 10 requests of up to 22 + 12 tokens: far too small to hold them together.
+TIGHT = dict(page_size=4, num_blocks=10, max_batch_tokens=32)
+PROMPT_LENGTHS = [5, 12, 9, 17, 3, 22, 8, 14, 11, 6]
+
+
+def serve(swap: bool):
+    model = tiny_model("llama_gqa")
+    prompts = random_prompts(PROMPT_LENGTHS, seed=80)
+    config = cbcore.ContinuousBatchingConfig(**TIGHT, cpu_offload_space=0.01 if swap else 0.0)
+    outputs, manager = run_engine(model, prompts, greedy_config(12), config)
+    for prompt, output in zip(prompts, outputs.values()):
+        assert output.status == cbcore.RequestStatus.FINISHED, output.error
+        assert output.generated_tokens == reference_tokens(model, prompt, greedy_config(12))
+    return outputs, manager.stats()
+
+
+def test_swap_keeps_outputs_and_recomputes_nothing_while_the_pool_has_room() -> None:
+    _, stats = serve(swap=True)
+    assert stats["preemptions"] > 0
+    assert stats["swap_preemptions"] == stats["preemptions"]
+    assert stats["swap_outs"] == stats["swap_ins"] == stats["preemptions"]
+    assert stats["swap_bytes_out"] == stats["swap_bytes_in"] > 0
+    assert stats["recomputed_tokens"] == 0
+    assert stats["host_blocks_free"] == stats["host_blocks"]
+
+
+def test_without_swap_the_same_outputs_come_from_recompute() -> None:
+    with_swap, _ = serve(swap=True)
+    without_swap, stats = serve(swap=False)
+    assert stats["preemptions"] > 0 and stats["recomputed_tokens"] > 0
+    assert "swap_outs" not in stats
+    assert [o.generated_tokens for o in with_swap.values()] == [o.generated_tokens for o in without_swap.values()]
+
+
+def test_a_full_host_pool_falls_back_to_recompute() -> None:
+    model = tiny_model("llama_gqa")
+    prompts = random_prompts(PROMPT_LENGTHS, seed=80)
+    bytes_per_block = 2 * 2 * 4 * 2 * 16 * 4  # K+V x layers x page x kv_heads x head_dim x fp32
+    config = cbcore.ContinuousBatchingConfig(**TIGHT, cpu_offload_space=2 * bytes_per_block / 2**30)
+    outputs, manager = run_engine(model, prompts, greedy_config(12), config)
+    stats = manager.stats()
+    assert stats["host_blocks"] == 2
+    assert stats["recompute_preemptions"] > 0  # requests needing more than 2 host blocks were recomputed
+    for prompt, output in zip(prompts, outputs.values()):
+        assert output.generated_tokens == reference_tokens(model, prompt, greedy_config(12))
+
+
+def test_cancelling_a_swapped_out_request_frees_its_host_blocks() -> None:
+    model = tiny_model("llama_gqa")
+    manager = cbcore.ContinuousBatchingManager(
+        model, greedy_config(40), cbcore.ContinuousBatchingConfig(**TIGHT, cpu_offload_space=0.01)
+    )
+    manager.start()
+    try:
+        ids = manager.add_requests(random_prompts(PROMPT_LENGTHS, seed=81))
+        for request_id in ids[::2]:
+            manager.cancel_request(request_id)
+        finals = {}
+        while len(finals) < len(ids):
+            output = manager.get_result(timeout=60)
+            assert output is not None
+            if output.is_finished():
+                finals[output.request_id] = output
+    finally:
+        manager.stop()
+    manager.check_invariants()
+    assert manager.stats()["host_blocks_free"] == manager.stats()["host_blocks"]
+
+
+def test_policy_swaps_when_copying_beats_recomputing() -> None:
+    policy = SwapPolicy(bytes_per_token=1000, host_copy_bytes_per_s=1e9)  # 2 us per token for out + in
+    assert policy.prefer_swap(num_tokens=100, num_block_tokens=112)  # nothing measured yet: swap
+    policy.observe_prefill(num_tokens=1000, seconds=0.1)  # 10k tokens/s: 100 us per token to recompute
+    assert policy.prefer_swap(num_tokens=100, num_block_tokens=112)
+    policy = SwapPolicy(bytes_per_token=1000, host_copy_bytes_per_s=1e9)
+    policy.observe_prefill(num_tokens=10_000_000, seconds=1.0)  # a fast accelerator: 0.1 us per token
+    assert not policy.prefer_swap(num_tokens=100, num_block_tokens=112)
+
+
+def test_offload_space_too_small_for_one_block_is_a_clear_error() -> None:
+    manager = cbcore.ContinuousBatchingManager(
+        tiny_model("qwen2"), greedy_config(3), cbcore.ContinuousBatchingConfig(page_size=4, cpu_offload_space=1e-9)
+    )
+    with pytest.raises(ValueError, match="cpu_offload_space"):
+        manager.warmup()
