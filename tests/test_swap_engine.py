@@ -94,3 +94,23 @@ def test_offload_space_too_small_for_one_block_is_a_clear_error() -> None:
     )
     with pytest.raises(ValueError, match="cpu_offload_space"):
         manager.warmup()
+
+
+def test_offload_works_without_a_gpu_where_transformers_raises_at_start_up() -> None:
+    import torch
+    from transformers import ContinuousBatchingConfig as TransformersCBConfig
+
+    model = tiny_model("llama_gqa")
+    prompts = random_prompts([5, 9], seed=82)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError):  # transformers pins its pool through CUDA
+            type(model).generate_batch(
+                model, prompts, generation_config=greedy_config(4),
+                continuous_batching_config=TransformersCBConfig(page_size=4, num_blocks=8, cpu_offload_space=0.01),
+            )
+    cbcore.enable(model)
+    outputs = model.generate_batch(prompts, generation_config=greedy_config(4),
+                                   continuous_batching_config=cbcore.ContinuousBatchingConfig(page_size=4, num_blocks=8,
+                                                                                              cpu_offload_space=0.01))
+    for prompt, output in zip(prompts, outputs.values()):
+        assert output.generated_tokens == reference_tokens(model, prompt, greedy_config(4))
