@@ -58,7 +58,7 @@ def cpp_extensions() -> list:
     return [
         cpp_extension.CppExtension(
             name="cbcore._C",
-            sources=relative_sources("bindings.cpp", "allocator/*.cpp", "attention/cpu_*.cpp", "swap/*.cpp"),
+            sources=relative_sources("bindings.cpp", "allocator/*.cpp", "attention/cpu_*.cpp", "swap/swap.cpp"),
             include_dirs=[str(CSRC)],
             extra_compile_args={"cxx": CXX_FLAGS + openmp_flags()},
             extra_link_args=openmp_flags(),
@@ -95,7 +95,9 @@ def cuda_extensions() -> list:
     return [
         cpp_extension.CUDAExtension(
             name="cbcore._cuda",
-            sources=relative_sources("cuda_bindings.cpp", "attention/*.cu", "swap/*.cu"),
+            sources=relative_sources(
+                "cuda_bindings.cpp", "attention/cuda_*.cpp", "attention/cuda_*.cu", "swap/cuda_*.cpp", "swap/cuda_*.cu"
+            ),
             include_dirs=[str(CSRC)],
             extra_compile_args={"cxx": CXX_FLAGS, "nvcc": nvcc_flags},
         )

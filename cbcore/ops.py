@@ -1,5 +1,5 @@
-"""One Python face per kernel (DESIGN.md §5). Today each op runs its plain-torch reference; the C++/CUDA/Triton
-kernels of the kernels issue plug in behind the same functions, chosen by device.
+"""One Python face per kernel (DESIGN.md §5): `cache_write`, `decode_attention`, `prefill_attention`. Each picks its
+implementation from the tensors' device, behind the same signature, so the attention function never knows which ran.
 
 Shapes (every implementation takes exactly these flat tensors, nothing else):
     k_cache, v_cache: [num_blocks, page_size, num_kv_heads, head_dim], one pair per layer
@@ -10,18 +10,195 @@ Shapes (every implementation takes exactly these flat tensors, nothing else):
     prefill: q [num_tokens, heads, head_dim] packed, cu_seqlens_q [batch + 1], seq_lens_k [batch]; request i's queries
              are the *last* q_len_i of its seq_lens_k[i] keys (bottom-right aligned causal mask).
 A sliding window w lets query position p see key positions k with p - w < k <= p (transformers' convention).
+
+Dispatch (`CBCORE_KERNELS=auto`, the default):
+
+| tensors | cache_write | decode_attention | prefill_attention |
+|---|---|---|---|
+| CUDA | `cbcore._cuda` | `cbcore._cuda` (deterministic split when `torch.use_deterministic_algorithms(True)`) | Triton (`cbcore.triton_kernels`) |
+| CPU  | C++ (`cbcore._C`) | C++ (`cbcore._C`) | C++ (`cbcore._C`) |
+
+Each falls back to the plain-torch reference below when its module did not build or import, and for inputs it does
+not take: the C++ CPU kernels need fp32/bf16/fp16 caches, q in the cache's dtype and head_dim a multiple of 8; the
+CUDA decode needs head_dim 64/128/256 and a power-of-two page size; CUDA cache_write and Triton prefill take any
+fp32/bf16/fp16 shape (k/v are converted to the cache's dtype first, as the reference does).
+
+`CBCORE_KERNELS=reference` runs the references everywhere. `cpu`, `cuda` and `triton` force one backend for the ops it
+implements (cpu: all three on CPU tensors; cuda: cache_write and decode on CUDA tensors; triton: prefill, on CUDA
+tensors or anywhere under TRITON_INTERPRET=1) and raise instead of falling back, so a test knows the kernel it meant
+really ran; every other op runs the reference. Any other value raises ValueError. The variable is read on every call.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+from types import ModuleType
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
+
+KERNELS_ENV = "CBCORE_KERNELS"
+KERNEL_MODES = ("auto", "reference", "cpu", "cuda", "triton")
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def kernel_mode() -> str:
+    """The value of CBCORE_KERNELS (default "auto"); ValueError naming the variable for an unknown value."""
+    value = os.environ.get(KERNELS_ENV, "")
+    mode = value.strip().lower() or "auto"
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"{KERNELS_ENV}={value!r} is not one of {', '.join(KERNEL_MODES)}; unset it for the default "
+                         "(auto: the fastest kernel for the tensors' device, else the reference)")
+    return mode
+
+
+@functools.cache
+def _cpu_kernels() -> ModuleType | None:
+    """cbcore._C when it carries the CPU attention ops (a stale build of the allocator alone does not)."""
+    try:
+        from . import _C
+    except ImportError:
+        return None
+    return _C if hasattr(_C, "decode_attention") else None
+
+
+@functools.cache
+def _cuda_kernels() -> ModuleType | None:
+    """cbcore._cuda, built only when torch has CUDA and nvcc was found at install time."""
+    try:
+        from . import _cuda
+    except ImportError:
+        return None
+    return _cuda
+
+
+@functools.cache
+def _triton_prefill() -> Callable[..., torch.Tensor] | None:
+    """The Triton prefill kernel when cbcore.triton_kernels is installed and the triton package is present."""
+    try:
+        from .triton_kernels import prefill
+    except ImportError:
+        return None
+    return prefill.prefill_attention if prefill.TRITON_AVAILABLE else None
+
+
+def available_backends() -> dict[str, str | None]:
+    """What loaded, for READMEs and benchmark output: the mode, and per backend a description or None."""
+    cpu, cuda, triton_prefill = _cpu_kernels(), _cuda_kernels(), _triton_prefill()
+    return {
+        "mode": kernel_mode(),
+        "cpu": f"cbcore._C ({cpu.cpu_attention_isa()})" if cpu is not None else None,
+        "cuda": "cbcore._cuda" if cuda is not None else None,
+        "triton": "cbcore.triton_kernels.prefill" if triton_prefill is not None else None,
+        "reference": "plain torch (cbcore.ops.*_reference)",
+    }
+
+
+def _why_not_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
+    """None when the C++ CPU attention kernels take these tensors, else the reason."""
+    if _cpu_kernels() is None:
+        return "cbcore._C has no CPU attention kernels (reinstall cbcore to build them)"
+    if q.device.type != "cpu" or k_cache.device.type != "cpu":
+        return f"tensors are on {q.device}, not the CPU"
+    if k_cache.dtype not in _KERNEL_DTYPES or v_cache.dtype != k_cache.dtype:
+        return f"cache dtypes {k_cache.dtype}/{v_cache.dtype} (supported: one of float32, bfloat16, float16)"
+    if q.dtype != k_cache.dtype:
+        return f"q is {q.dtype} but the cache is {k_cache.dtype}"
+    if k_cache.shape[-1] % 8:
+        return f"head_dim {k_cache.shape[-1]} is not a multiple of 8"
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return "the caches are not contiguous"
+    return None
+
+
+def _why_not_cpu_cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+                             ) -> str | None:
+    """None when the C++ cache_write takes these tensors (k/v of any of the three float dtypes), else the reason."""
+    if _cpu_kernels() is None:
+        return "cbcore._C has no CPU attention kernels (reinstall cbcore to build them)"
+    if k.device.type != "cpu" or k_cache.device.type != "cpu":
+        return f"tensors are on {k.device} and {k_cache.device}, not the CPU"
+    if k_cache.dtype not in _KERNEL_DTYPES or v_cache.dtype != k_cache.dtype:
+        return f"cache dtypes {k_cache.dtype}/{v_cache.dtype} (supported: one of float32, bfloat16, float16)"
+    if k.dtype not in _KERNEL_DTYPES or v.dtype not in _KERNEL_DTYPES:
+        return f"k/v dtypes {k.dtype}/{v.dtype} (supported: float32, bfloat16, float16)"
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return "the caches are not contiguous"
+    return None
+
+
+def _why_not_cuda_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
+    """None when cbcore._cuda's decode kernel takes these tensors, else the reason."""
+    if _cuda_kernels() is None:
+        return "cbcore._cuda is not built"
+    if not (q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in _KERNEL_DTYPES):
+        return f"dtypes q {q.dtype}, caches {k_cache.dtype}/{v_cache.dtype} (one of float32, bfloat16, float16)"
+    head_dim, page_size = k_cache.shape[3], k_cache.shape[1]
+    if head_dim not in (64, 128, 256):
+        return f"head_dim {head_dim} (supported: 64, 128, 256)"
+    if page_size & (page_size - 1):
+        return f"page_size {page_size} is not a power of two"
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return "the caches are not contiguous"
+    return None
+
+
+def _why_not_cuda_cache_write(k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
+    """None when cbcore._cuda's cache_write takes these caches (k/v are converted to their dtype), else the reason."""
+    if _cuda_kernels() is None:
+        return "cbcore._cuda is not built"
+    if k_cache.dtype not in _KERNEL_DTYPES or v_cache.dtype != k_cache.dtype:
+        return f"cache dtypes {k_cache.dtype}/{v_cache.dtype} (supported: one of float32, bfloat16, float16)"
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return "the caches are not contiguous"
+    return None
+
+
+def _why_not_triton_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
+    """None when the Triton prefill kernel takes these tensors, else the reason."""
+    if _triton_prefill() is None:
+        return "cbcore.triton_kernels or the triton package is missing"
+    if not (q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in _KERNEL_DTYPES):
+        return f"dtypes q {q.dtype}, caches {k_cache.dtype}/{v_cache.dtype} (one of float32, bfloat16, float16)"
+    return None
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t with a contiguous last dimension, which every kernel needs (the attention function's views already have it)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _forced_failure(mode: str, op: str, why: str) -> RuntimeError:
+    return RuntimeError(f"{KERNELS_ENV}={mode} but {op} cannot use that backend: {why}")
+
+
+def _window(sliding_window: int | None) -> int:
+    return -1 if sliding_window is None else int(sliding_window)
 
 
 def cache_write(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Write new K/V rows `[num_tokens, kv_heads, head_dim]` into their page slots."""
+    mode = kernel_mode()
+    if mode != "reference":
+        if k_cache.is_cuda and mode in ("auto", "cuda"):
+            why = _why_not_cuda_cache_write(k_cache, v_cache)
+            if why is None:
+                _cuda_kernels().cache_write(_rows(k.to(k_cache.dtype)), _rows(v.to(v_cache.dtype)), k_cache, v_cache,
+                                            slot_mapping.to(torch.int64).contiguous())
+                return
+            if mode == "cuda":
+                raise _forced_failure(mode, "cache_write", why)
+        elif k_cache.device.type == "cpu" and mode in ("auto", "cpu"):
+            why = _why_not_cpu_cache_write(k, v, k_cache, v_cache)
+            if why is None:
+                _cpu_kernels().cache_write(k, v, k_cache, v_cache, slot_mapping)
+                return
+            if mode == "cpu":
+                raise _forced_failure(mode, "cache_write", why)
     cache_write_reference(k, v, k_cache, v_cache, slot_mapping)
 
 
@@ -35,6 +212,25 @@ def decode_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """One query token per request against that request's pages. Returns `[batch, heads, head_dim]`."""
+    mode = kernel_mode()
+    if mode != "reference":
+        if q.is_cuda and mode in ("auto", "cuda"):
+            why = _why_not_cuda_decode(q, k_cache, v_cache)
+            if why is None:
+                return _cuda_kernels().decode_attention(
+                    _rows(q), k_cache, v_cache, block_table.to(torch.int32).contiguous(),
+                    seq_lens.to(torch.int32).contiguous(), scale, _window(sliding_window),
+                    torch.are_deterministic_algorithms_enabled(),
+                )
+            if mode == "cuda":
+                raise _forced_failure(mode, "decode_attention", why)
+        elif q.device.type == "cpu" and mode in ("auto", "cpu"):
+            why = _why_not_cpu(q, k_cache, v_cache)
+            if why is None:
+                return _cpu_kernels().decode_attention(_rows(q), k_cache, v_cache, block_table, seq_lens, scale,
+                                                       _window(sliding_window))
+            if mode == "cpu":
+                raise _forced_failure(mode, "decode_attention", why)
     return decode_attention_reference(q, k_cache, v_cache, block_table, seq_lens, scale, sliding_window)
 
 
@@ -50,6 +246,22 @@ def prefill_attention(
 ) -> torch.Tensor:
     """Packed causal attention: each request's new queries over its cached prefix plus its new keys (already
     written to the pages). Returns `[num_tokens, heads, head_dim]`."""
+    mode = kernel_mode()
+    if mode != "reference":
+        if (q.is_cuda and mode == "auto") or mode == "triton":
+            why = _why_not_triton_prefill(q, k_cache, v_cache)
+            if why is None:
+                return _triton_prefill()(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale,
+                                         sliding_window)
+            if mode == "triton":
+                raise _forced_failure(mode, "prefill_attention", why)
+        elif q.device.type == "cpu" and mode in ("auto", "cpu"):
+            why = _why_not_cpu(q, k_cache, v_cache)
+            if why is None:
+                return _cpu_kernels().prefill_attention(_rows(q), k_cache, v_cache, block_table, cu_seqlens_q,
+                                                        seq_lens_k, scale, _window(sliding_window))
+            if mode == "cpu":
+                raise _forced_failure(mode, "prefill_attention", why)
     return prefill_attention_reference(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, sliding_window)
 
 

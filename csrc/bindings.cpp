@@ -18,6 +18,7 @@
 
 #include "allocator/block_allocator.h"
 #include "attention/cpu_attention_bindings.h"
+#include "swap/swap.h"
 
 #ifndef TORCH_EXTENSION_NAME
 #define TORCH_EXTENSION_NAME _C
@@ -159,9 +160,8 @@ Bad arguments raise ValueError and change nothing; running out of blocks raises 
 }  // namespace cbcore
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "cbcore's C++ extension: the KV-cache block allocator and the CPU attention kernels.";
+  m.doc() = "cbcore's C++ extension: the KV-cache block allocator, the CPU attention kernels and the swap pool.";
   cbcore::bind_block_allocator(m);
   cbcore::register_cpu_attention_bindings(m);
-  // TODO(swap): call cbcore::register_swap_bindings(m) from "swap/swap.h" once csrc/swap/ has its
-  // sources and setup.py compiles them into cbcore._C (the header alone would leave the symbol undefined).
+  cbcore::register_swap_bindings(m);
 }

@@ -10,6 +10,12 @@ import torch
 from cbcore import ops
 
 
+@pytest.fixture(autouse=True)
+def _references_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests check the references themselves; the kernels are checked against them elsewhere."""
+    monkeypatch.setenv("CBCORE_KERNELS", "reference")
+
+
 def dense_attention(q, k, v, scale, window):
     """q [Lq, H, D] are the last Lq positions of k/v [Lk, KVH, D]; causal (bottom-right) and optional window."""
     lq, heads, _ = q.shape

@@ -1,0 +1,489 @@
+// Paged attention on the CPU (see cpu_attention.h for the contract and how the work is split).
+//
+// This file checks arguments, plans the work items, and dispatches on dtype and instruction set; the
+// kernels themselves are in cpu_attention_kernels.inc, compiled here once per instruction set.
+#include "attention/cpu_attention.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#if !defined(__GNUC__)
+#error "cbcore's CPU attention kernels use GCC/Clang vector extensions; build with GCC or Clang"
+#endif
+
+// The AVX2 copy needs GCC's `#pragma GCC target` on x86-64 (Clang builds get the generic copy only).
+#if defined(__x86_64__) && !defined(__clang__)
+#define CBCORE_HAVE_AVX2_COPY 1
+#else
+#define CBCORE_HAVE_AVX2_COPY 0
+#endif
+
+#if defined(__clang__) || __GNUC__ >= 12
+#define CB_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define CB_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, vi32{__VA_ARGS__})
+#endif
+
+// Every function taking or returning a 32-byte vector is always_inline, so the "AVX vector argument
+// without AVX changes the ABI" note of the generic copy concerns no real call.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace cbcore {
+namespace cpu {
+namespace {
+
+// 8 x fp32 and friends. The generic copy lowers them to two SSE registers (or NEON on ARM); the AVX2
+// copy to one ymm register.
+typedef float vfloat __attribute__((vector_size(32)));
+typedef int32_t vi32 __attribute__((vector_size(32)));
+typedef uint32_t vu32 __attribute__((vector_size(32)));
+typedef uint16_t vu16x8 __attribute__((vector_size(16)));
+
+struct DecodeParams {
+  const void* q;
+  int64_t q_stride_b, q_stride_h;  // elements; the head dim is contiguous
+  const void* k_cache;
+  const void* v_cache;
+  int64_t page_size, page_stride, token_stride;  // elements
+  int64_t group, head_dim;
+  const int32_t* block_table;
+  int64_t table_stride;
+  float scale;
+  void* out;  // [batch, heads, head_dim] contiguous
+  int64_t out_stride_b;
+  float* partials;   // per split chunk: num_rows x (max, sum, head_dim accumulators)
+  int64_t num_rows;  // query heads
+};
+
+struct DecodeItem {
+  int64_t request, head_begin, head_end;  // kv heads [head_begin, head_end)
+  int64_t begin, end;                     // key positions
+  int64_t partial;  // -1: write the output directly; else the chunk's slot in DecodeParams::partials
+};
+
+struct PrefillParams {
+  const void* q;
+  int64_t q_stride_t, q_stride_h;
+  const void* k_cache;
+  const void* v_cache;
+  int64_t page_size, page_stride, token_stride;
+  int64_t group, head_dim;
+  const int32_t* block_table;
+  int64_t table_stride;
+  const int32_t* cu_seqlens_q;
+  const int32_t* seq_lens_k;
+  float scale;
+  int64_t window;  // <= 0: none
+  void* out;       // [num_tokens, heads, head_dim] contiguous
+  int64_t out_stride_t;
+};
+
+struct PrefillItem {
+  int64_t request, kv_head, q_begin, q_end;  // query positions [q_begin, q_end) within the request
+};
+
+// Below this much work (cost units: one key for one query row) a call stays on the calling thread: waking
+// the pool costs more than it saves.
+constexpr int64_t kMinCostPerThread = 4096;
+
+// Runs work(i, scratch) for every item i, items taken in order from a shared counter by up to
+// at::get_num_threads() threads (dynamic scheduling: items are ragged). Each thread reuses one scratch buffer.
+template <typename F>
+void run_items(int64_t num_items, int64_t total_cost, const F& work) {
+  if (num_items == 0) return;
+  int64_t threads = std::min<int64_t>(at::get_num_threads(), num_items);
+  threads = std::max<int64_t>(1, std::min(threads, total_cost / kMinCostPerThread));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    std::vector<float> scratch;
+    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) work(i, scratch);
+  });
+}
+
+namespace generic {
+#include "attention/cpu_attention_kernels.inc"
+}  // namespace generic
+
+#if CBCORE_HAVE_AVX2_COPY
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+#include "attention/cpu_attention_kernels.inc"
+}  // namespace avx2
+#pragma GCC pop_options
+#endif
+
+// ---- instruction set -----------------------------------------------------------------------------------
+
+enum class Isa { kGeneric, kAvx2 };
+
+bool cpu_has_avx2() {
+#if CBCORE_HAVE_AVX2_COPY
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+std::atomic<Isa>& active_isa() {
+  static std::atomic<Isa> isa{cpu_has_avx2() ? Isa::kAvx2 : Isa::kGeneric};
+  return isa;
+}
+
+// ---- argument checks -----------------------------------------------------------------------------------
+
+bool supported_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
+void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK_VALUE(k_cache.device().is_cpu() && v_cache.device().is_cpu(), "cbcore CPU attention: caches must be CPU tensors");
+  TORCH_CHECK_VALUE(k_cache.dim() == 4, "cbcore CPU attention: k_cache must be [num_blocks, page_size, kv_heads, head_dim], got ",
+                    k_cache.sizes());
+  TORCH_CHECK_VALUE(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+                    "cbcore CPU attention: k_cache ", k_cache.sizes(), " ", k_cache.scalar_type(), " and v_cache ",
+                    v_cache.sizes(), " ", v_cache.scalar_type(), " differ");
+  TORCH_CHECK_VALUE(k_cache.is_contiguous() && v_cache.is_contiguous(), "cbcore CPU attention: caches must be contiguous");
+  TORCH_CHECK_VALUE(supported_dtype(k_cache.scalar_type()), "cbcore CPU attention: cache dtype ", k_cache.scalar_type(),
+                    " is not supported (float32, bfloat16, float16)");
+  TORCH_CHECK_VALUE(k_cache.size(3) % 8 == 0, "cbcore CPU attention: head_dim must be a multiple of 8, got ",
+                    k_cache.size(3));
+}
+
+void check_query(const at::Tensor& q, const at::Tensor& k_cache) {
+  TORCH_CHECK_VALUE(q.device().is_cpu(), "cbcore CPU attention: q must be a CPU tensor");
+  TORCH_CHECK_VALUE(q.dim() == 3 && q.size(2) == k_cache.size(3), "cbcore CPU attention: q must be [*, heads, ",
+                    k_cache.size(3), "], got ", q.sizes());
+  TORCH_CHECK_VALUE(q.size(1) % k_cache.size(2) == 0, "cbcore CPU attention: ", q.size(1),
+                    " query heads are not a multiple of ", k_cache.size(2), " kv heads");
+  TORCH_CHECK_VALUE(q.scalar_type() == k_cache.scalar_type(), "cbcore CPU attention: q is ", q.scalar_type(),
+                    " but the cache is ", k_cache.scalar_type());
+  TORCH_CHECK_VALUE(q.stride(2) == 1, "cbcore CPU attention: q's last dimension must be contiguous");
+}
+
+at::Tensor as_int32(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.dim() == dim, "cbcore CPU attention: ", name, " must be a ", dim,
+                    "-D CPU tensor, got ", t.sizes());
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, "cbcore CPU attention: ", name,
+                    " must be int32 or int64, got ", t.scalar_type());
+  return t.to(at::kInt).contiguous();
+}
+
+int64_t check_window(int64_t sliding_window) {
+  TORCH_CHECK_VALUE(sliding_window == -1 || sliding_window >= 1,
+                    "cbcore CPU attention: sliding_window must be >= 1, or -1 for none; got ", sliding_window);
+  return sliding_window;
+}
+
+// Every block a request of `length` tokens reads must be in its table row and inside the cache.
+void check_table_row(const int32_t* row, int64_t max_blocks, int64_t num_blocks, int64_t page_size, int64_t length,
+                     int64_t request) {
+  const int64_t needed = (length + page_size - 1) / page_size;
+  TORCH_CHECK_VALUE(needed <= max_blocks, "cbcore CPU attention: request ", request, " has ", length,
+                    " keys but its block table row holds ", max_blocks, " blocks of ", page_size);
+  for (int64_t i = 0; i < needed; ++i)
+    TORCH_CHECK_VALUE(row[i] >= 0 && row[i] < num_blocks, "cbcore CPU attention: request ", request,
+                      " block table entry ", i, " is ", row[i], ", outside [0, ", num_blocks, ")");
+}
+
+// Combines the chunks of each split request, in chunk order: with M = max m_i, out = sum(acc_i e^(m_i - M)) /
+// sum(l_i e^(m_i - M)). merges holds (request, first partial slot, number of chunks).
+template <typename T>
+void merge_partials(const DecodeParams& P, const std::vector<std::array<int64_t, 3>>& merges) {
+  const int64_t R = P.num_rows, D = P.head_dim;
+  at::parallel_for(0, static_cast<int64_t>(merges.size()), 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(static_cast<size_t>(D));
+    for (int64_t i = begin; i < end; ++i) {
+      const auto [request, first, count] = merges[i];
+      for (int64_t r = 0; r < R; ++r) {
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t c = 0; c < count; ++c) m = std::max(m, P.partials[((first + c) * R + r) * (D + 2)]);
+        float l = 0.0f;
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t c = 0; c < count; ++c) {
+          const float* part = P.partials + ((first + c) * R + r) * (D + 2);
+          const float w = std::exp(part[0] - m);
+          l += part[1] * w;
+          for (int64_t d = 0; d < D; ++d) acc[d] += part[2 + d] * w;
+        }
+        T* out = static_cast<T*>(P.out) + request * P.out_stride_b + r * D;
+        for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(acc[d] / l);
+      }
+    }
+  });
+}
+
+// Split-K chunk for decode: positions [c * kDecodeChunk, (c + 1) * kDecodeChunk).
+constexpr int64_t kDecodeChunk = 1024;
+
+// Query positions per prefill item: about 128 query rows (positions x query heads of one kv head); 128 measured
+// 5-20% faster than 64 (the K/V panels are packed once per item, so bigger items pack less often).
+int64_t prefill_query_tile(int64_t group) { return std::max<int64_t>(1, 128 / group); }
+
+template <typename T>
+void copy_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* slots) {
+  const int64_t num_tokens = src.size(0), kv_heads = src.size(1), head_dim = src.size(2);
+  const int64_t s0 = src.stride(0), s1 = src.stride(1);
+  const int64_t token_stride = kv_heads * head_dim;
+  T* dst = cache.data_ptr<T>();
+  const int64_t grain = std::max<int64_t>(1, 65536 / token_stride);
+  auto run = [&](auto* src_ptr) {
+    using S = std::remove_const_t<std::remove_pointer_t<decltype(src_ptr)>>;
+    at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          const S* from = src_ptr + t * s0 + h * s1;
+          T* to = dst + slots[t] * token_stride + h * head_dim;
+          if constexpr (std::is_same_v<S, T>) {
+            std::memcpy(to, from, sizeof(T) * head_dim);
+          } else {
+            for (int64_t d = 0; d < head_dim; ++d) to[d] = static_cast<T>(static_cast<float>(from[d]));
+          }
+        }
+      }
+    });
+  };
+  switch (src.scalar_type()) {
+    case at::kFloat: run(src.const_data_ptr<float>()); break;
+    case at::kBFloat16: run(src.const_data_ptr<c10::BFloat16>()); break;
+    case at::kHalf: run(src.const_data_ptr<c10::Half>()); break;
+    default: TORCH_CHECK_VALUE(false, "cbcore cache_write: k/v dtype ", src.scalar_type(), " is not supported");
+  }
+}
+
+template <typename F>
+void dispatch_dtype(at::ScalarType t, const F& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK_VALUE(false, "cbcore CPU attention: dtype ", t, " is not supported");
+  }
+}
+
+}  // namespace
+
+// ---- public ops ------------------------------------------------------------------------------------------
+
+void cache_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& slot_mapping) {
+  TORCH_CHECK_VALUE(k_cache.device().is_cpu() && v_cache.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+                    "cbcore cache_write: every tensor must be on the CPU");
+  TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                        v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
+                    "cbcore cache_write: k_cache and v_cache must be contiguous [num_blocks, page_size, kv_heads, "
+                    "head_dim] tensors of one shape and dtype");
+  TORCH_CHECK_VALUE(supported_dtype(k_cache.scalar_type()), "cbcore cache_write: cache dtype ", k_cache.scalar_type(),
+                    " is not supported");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  TORCH_CHECK_VALUE(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == k_cache.size(2) &&
+                        k.size(2) == k_cache.size(3),
+                    "cbcore cache_write: k and v must be [num_tokens, ", k_cache.size(2), ", ", k_cache.size(3),
+                    "], got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0) && slot_mapping.device().is_cpu() &&
+                        (slot_mapping.scalar_type() == at::kLong || slot_mapping.scalar_type() == at::kInt),
+                    "cbcore cache_write: slot_mapping must be a 1-D integer CPU tensor of ", k.size(0),
+                    " slots, got ", slot_mapping.sizes(), " ", slot_mapping.scalar_type());
+  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t* s = slots.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < slots.numel(); ++t)
+    TORCH_CHECK_VALUE(s[t] >= 0 && s[t] < num_slots, "cbcore cache_write: slot ", s[t], " of token ", t,
+                      " is outside the cache [0, ", num_slots, ")");
+  const at::Tensor kc = k.stride(2) == 1 ? k : k.contiguous();
+  const at::Tensor vc = v.stride(2) == 1 ? v : v.contiguous();
+  at::Tensor k_dst = k_cache, v_dst = v_cache;  // shallow handles onto the same storage
+  dispatch_dtype(k_cache.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    copy_rows<T>(kc, k_dst, s);
+    copy_rows<T>(vc, v_dst, s);
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
+                            int64_t sliding_window) {
+  check_caches(k_cache, v_cache);
+  check_query(q, k_cache);
+  const int64_t window = check_window(sliding_window);
+  const at::Tensor table = as_int32(block_table, "block_table", 2);
+  const at::Tensor lens = as_int32(seq_lens, "seq_lens", 1);
+  const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_blocks = k_cache.size(0), page_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK_VALUE(table.size(0) == batch && lens.size(0) == batch, "cbcore decode_attention: ", batch,
+                    " queries but block_table has ", table.size(0), " rows and seq_lens ", lens.size(0), " entries");
+  const int32_t* len = lens.const_data_ptr<int32_t>();
+  const int32_t* rows = table.const_data_ptr<int32_t>();
+  const int64_t group = heads / kv_heads;
+
+  // Key range and chunks of each request.
+  std::vector<int64_t> begins(batch);
+  int64_t num_chunks = 0, total_cost = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t n = len[b];
+    TORCH_CHECK_VALUE(n >= 1, "cbcore decode_attention: request ", b, " has seq_len ", n, "; it must be >= 1");
+    check_table_row(rows + b * table.size(1), table.size(1), num_blocks, page_size, n, b);
+    begins[b] = window > 0 ? std::max<int64_t>(0, n - window) : 0;
+    num_chunks += (n - 1) / kDecodeChunk - begins[b] / kDecodeChunk + 1;
+    total_cost += (n - begins[b]) * heads;
+  }
+  // An item takes every kv head of its chunk (pages are then read front to back) unless that leaves too few items
+  // to balance over the threads; splitting heads changes no result, each head is computed the same way.
+  int64_t head_split = 1;
+  while (head_split < kv_heads && num_chunks * head_split < 4 * at::get_num_threads()) head_split *= 2;
+  const int64_t heads_per_item = (kv_heads + head_split - 1) / head_split;
+
+  std::vector<DecodeItem> items;
+  std::vector<std::array<int64_t, 3>> merges;  // (request, first partial slot, count)
+  int64_t num_partials = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t n = len[b], begin = begins[b];
+    const int64_t first_chunk = begin / kDecodeChunk, last_chunk = (n - 1) / kDecodeChunk;
+    if (first_chunk != last_chunk) merges.push_back({b, num_partials, last_chunk - first_chunk + 1});
+    for (int64_t c = first_chunk; c <= last_chunk; ++c) {
+      const int64_t partial = first_chunk == last_chunk ? -1 : num_partials++;
+      for (int64_t h = 0; h < kv_heads; h += heads_per_item)
+        items.push_back({b, h, std::min(kv_heads, h + heads_per_item), std::max(begin, c * kDecodeChunk),
+                         std::min(n, (c + 1) * kDecodeChunk), partial});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const DecodeItem& a, const DecodeItem& b) {
+    return (a.end - a.begin) * (a.head_end - a.head_begin) > (b.end - b.begin) * (b.head_end - b.head_begin);
+  });
+
+  at::Tensor out = at::empty({batch, heads, head_dim}, q.options());
+  std::vector<float> partials(static_cast<size_t>(num_partials * heads * (head_dim + 2)));
+  DecodeParams P{q.const_data_ptr(), q.stride(0), q.stride(1),
+                 k_cache.const_data_ptr(), v_cache.const_data_ptr(),
+                 page_size, k_cache.stride(0), k_cache.stride(1),
+                 group, head_dim,
+                 rows, table.size(1),
+                 static_cast<float>(scale),
+                 out.data_ptr(), out.stride(0),
+                 partials.data(), heads};
+  const bool use_avx2 = active_isa().load() == Isa::kAvx2;
+  dispatch_dtype(q.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+#if CBCORE_HAVE_AVX2_COPY
+    if (use_avx2) {
+      avx2::decode_run<T>(P, items, total_cost);
+    } else {
+      generic::decode_run<T>(P, items, total_cost);
+    }
+#else
+    (void)use_avx2;
+    generic::decode_run<T>(P, items, total_cost);
+#endif
+    merge_partials<T>(P, merges);
+  });
+  return out;
+}
+
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& block_table, const at::Tensor& cu_seqlens_q,
+                             const at::Tensor& seq_lens_k, double scale, int64_t sliding_window) {
+  check_caches(k_cache, v_cache);
+  check_query(q, k_cache);
+  const int64_t window = check_window(sliding_window);
+  const at::Tensor table = as_int32(block_table, "block_table", 2);
+  const at::Tensor cu = as_int32(cu_seqlens_q, "cu_seqlens_q", 1);
+  const at::Tensor lens = as_int32(seq_lens_k, "seq_lens_k", 1);
+  const int64_t num_tokens = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_blocks = k_cache.size(0), page_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  const int64_t batch = lens.size(0);
+  TORCH_CHECK_VALUE(cu.size(0) == batch + 1 && table.size(0) == batch, "cbcore prefill_attention: seq_lens_k has ",
+                    batch, " entries, so cu_seqlens_q needs ", batch + 1, " (got ", cu.size(0),
+                    ") and block_table ", batch, " rows (got ", table.size(0), ")");
+  const int32_t* starts = cu.const_data_ptr<int32_t>();
+  const int32_t* len = lens.const_data_ptr<int32_t>();
+  const int32_t* rows = table.const_data_ptr<int32_t>();
+  TORCH_CHECK_VALUE(starts[0] == 0 && starts[batch] == num_tokens, "cbcore prefill_attention: cu_seqlens_q must run "
+                    "from 0 to the ", num_tokens, " packed queries, got ", starts[0], "..", starts[batch]);
+  const int64_t group = heads / kv_heads;
+  const int64_t tile = prefill_query_tile(group);
+
+  std::vector<PrefillItem> items;
+  std::vector<int64_t> costs;
+  int64_t total_cost = 0;
+  for (int64_t i = 0; i < batch; ++i) {
+    const int64_t q_len = starts[i + 1] - starts[i], k_len = len[i];
+    TORCH_CHECK_VALUE(q_len >= 0 && q_len <= k_len, "cbcore prefill_attention: request ", i, " has ", q_len,
+                      " queries but ", k_len, " keys; its queries are the last of its keys, so q_len <= k_len");
+    if (q_len == 0) continue;
+    check_table_row(rows + i * table.size(1), table.size(1), num_blocks, page_size, k_len, i);
+    for (int64_t j0 = 0; j0 < q_len; j0 += tile) {
+      const int64_t j1 = std::min(q_len, j0 + tile);
+      const int64_t last = k_len - q_len + j1 - 1, first = k_len - q_len + j0;
+      const int64_t keys = last + 1 - (window > 0 ? std::max<int64_t>(0, first - window + 1) : 0);
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        items.push_back({i, h, j0, j1});
+        costs.push_back(keys * (j1 - j0) * group);
+        total_cost += costs.back();
+      }
+    }
+  }
+  std::vector<size_t> order(items.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return costs[a] > costs[b]; });
+  std::vector<PrefillItem> sorted;
+  sorted.reserve(items.size());
+  for (size_t i : order) sorted.push_back(items[i]);
+
+  at::Tensor out = at::empty({num_tokens, heads, head_dim}, q.options());
+  PrefillParams P{q.const_data_ptr(), q.stride(0), q.stride(1),
+                  k_cache.const_data_ptr(), v_cache.const_data_ptr(),
+                  page_size, k_cache.stride(0), k_cache.stride(1),
+                  group, head_dim,
+                  rows, table.size(1),
+                  starts, len,
+                  static_cast<float>(scale), window,
+                  out.data_ptr(), out.stride(0)};
+  const bool use_avx2 = active_isa().load() == Isa::kAvx2;
+  dispatch_dtype(q.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+#if CBCORE_HAVE_AVX2_COPY
+    if (use_avx2) {
+      avx2::prefill_run<T>(P, sorted, total_cost);
+    } else {
+      generic::prefill_run<T>(P, sorted, total_cost);
+    }
+#else
+    (void)use_avx2;
+    generic::prefill_run<T>(P, sorted, total_cost);
+#endif
+  });
+  return out;
+}
+
+std::string isa() { return active_isa().load() == Isa::kAvx2 ? "avx2" : "generic"; }
+
+void set_isa(const std::string& name) {
+  if (name == "auto") {
+    active_isa().store(cpu_has_avx2() ? Isa::kAvx2 : Isa::kGeneric);
+  } else if (name == "generic") {
+    active_isa().store(Isa::kGeneric);
+  } else if (name == "avx2") {
+    TORCH_CHECK_VALUE(cpu_has_avx2(), "cbcore: this CPU or build has no AVX2+FMA+F16C kernels");
+    active_isa().store(Isa::kAvx2);
+  } else {
+    TORCH_CHECK_VALUE(false, "cbcore: unknown instruction set '", name, "' (auto, generic, avx2)");
+  }
+}
+
+}  // namespace cpu
+}  // namespace cbcore

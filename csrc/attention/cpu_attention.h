@@ -1,0 +1,72 @@
+// Paged attention on the CPU: writing new K/V into pages, decode (one query per request) and packed
+// causal prefill, all reading the pages in place through the block table.
+//
+// Semantics are those of the plain-torch references in cbcore/ops.py (`*_reference`), which are the
+// specification; tests/test_kernels_cpu.py holds the two together. Shapes (DESIGN.md §5):
+//
+//   k_cache, v_cache  [num_blocks, page_size, num_kv_heads, head_dim], contiguous, fp32 / bf16 / fp16
+//   block_table       [batch, max_blocks] int32 (int64 accepted); entries past a request's length unread
+//   slot_mapping      [num_tokens] int64, block * page_size + offset
+//   decode            q [batch, heads, head_dim], seq_lens [batch]
+//   prefill           q [num_tokens, heads, head_dim] packed, cu_seqlens_q [batch + 1], seq_lens_k [batch];
+//                     request i's queries are the LAST q_len_i of its seq_lens_k[i] keys
+//   sliding_window    w >= 1 lets query position p see key k iff p - w < k <= p; -1 means no window
+//
+// q must have the cache's dtype and a contiguous last dimension (any other strides are fine); head_dim
+// must be a multiple of 8; heads a multiple of kv_heads. Scores, softmax and the weighted sum run in
+// fp32 whatever the storage dtype. Anything else raises (cbcore/ops.py routes such calls to the
+// reference instead). Results do not depend on the number of threads or on the other requests of the
+// batch: each (request, kv head, chunk) is computed by one thread in a fixed order.
+//
+// How the work is split (why: 2..N cores, ragged requests, caches bigger than the CPU's caches):
+//   decode   one item per (request, 1024-position chunk of its keys), covering all its kv heads (or a
+//            slice of them when there are too few items to feed the threads). A request longer than
+//            one chunk is merged from its chunks' partial softmax states (split-K), so one long request
+//            still keeps every core busy; chunk boundaries are fixed positions, never a function of the
+//            batch. Keys are walked in tiles of 32: the tile's K and V rows (all the item's heads,
+//            adjacent in a page) are converted into a small fp32 stage in page order while the next
+//            tile is prefetched, then every query head of each kv head (GQA: the group together)
+//            attends to it with an online softmax.
+//   prefill  one item per (request, kv head, tile of ~128 query rows = positions x query heads of that
+//            kv head); keys are walked in tiles of 64 with an online softmax, each tile of K/V
+//            converted once into an fp32 panel shared by all the tile's query rows.
+//   Items are handed out longest first from an atomic counter inside one at::parallel_for region.
+//
+// Instruction sets: the kernels are written with GCC/Clang vector extensions (8 x fp32) and compiled
+// twice in cpu_attention.cpp: once for the build's baseline (x86-64: SSE2; elsewhere: whatever the
+// compiler targets by default) and, with GCC on x86-64, once more under `#pragma GCC target("avx2,
+// fma,f16c")`. The AVX2 copy is chosen at run time when the CPU has those features. No -march flag is
+// used: the extension is compiled where it is installed, but wheels built from it get copied and
+// cached, and a -march=native binary dies with SIGILL on an older CPU.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+
+namespace cbcore {
+namespace cpu {
+
+// k/v [num_tokens, kv_heads, head_dim] (any dtype among fp32/bf16/fp16; converted to the cache's)
+// into the slots slot_mapping[t] of k_cache / v_cache. ValueError for a slot outside the cache.
+void cache_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& slot_mapping);
+
+// One query token per request against that request's pages. Returns [batch, heads, head_dim] in q's dtype.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
+                            int64_t sliding_window);
+
+// Packed bottom-right aligned causal attention over the pages. Returns [num_tokens, heads, head_dim].
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& block_table, const at::Tensor& cu_seqlens_q,
+                             const at::Tensor& seq_lens_k, double scale, int64_t sliding_window);
+
+// The instruction set the kernels run with: "avx2" or "generic".
+std::string isa();
+
+// Tests: force "generic" or "avx2" (ValueError if this CPU or build lacks it), or "auto".
+void set_isa(const std::string& name);
+
+}  // namespace cpu
+}  // namespace cbcore

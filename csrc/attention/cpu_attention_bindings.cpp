@@ -1,0 +1,37 @@
+// Python bindings of the CPU attention kernels (cbcore._C). Tensors cross as at::Tensor through torch's
+// pybind11 type casters (torch/csrc/utils/pybind.h: the part of <torch/extension.h> needed here, at a
+// fifth of its compile time). The GIL is released while a kernel runs, so the manager's other threads keep
+// going. Argument errors are c10::ValueError and reach Python as ValueError.
+#include <torch/csrc/utils/pybind.h>
+
+#include "attention/cpu_attention.h"
+#include "attention/cpu_attention_bindings.h"
+
+namespace py = pybind11;
+
+namespace cbcore {
+
+void register_cpu_attention_bindings(py::module_& m) {
+  m.def("cache_write", &cpu::cache_write, py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("slot_mapping"), py::call_guard<py::gil_scoped_release>(),
+        "Writes k, v [num_tokens, kv_heads, head_dim] into the page slots slot_mapping (int64, block * page_size + "
+        "offset) of k_cache / v_cache [num_blocks, page_size, kv_heads, head_dim] (CPU, converting to the cache "
+        "dtype). Same result as cbcore.ops.cache_write_reference.");
+  m.def("decode_attention", &cpu::decode_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("block_table"), py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Paged decode attention on the CPU: q [batch, heads, head_dim] against each request's seq_lens[b] keys, "
+        "read in place through block_table. sliding_window: -1 for none. Returns [batch, heads, head_dim]. Same "
+        "semantics as cbcore.ops.decode_attention_reference.");
+  m.def("prefill_attention", &cpu::prefill_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("block_table"), py::arg("cu_seqlens_q"), py::arg("seq_lens_k"), py::arg("scale"),
+        py::arg("sliding_window"), py::call_guard<py::gil_scoped_release>(),
+        "Packed causal prefill attention on the CPU (bottom-right aligned, optional sliding window; -1 for none), "
+        "reading the pages in place. Returns [num_tokens, heads, head_dim]. Same semantics as "
+        "cbcore.ops.prefill_attention_reference.");
+  m.def("cpu_attention_isa", &cpu::isa, "The instruction set the CPU attention kernels use: 'avx2' or 'generic'.");
+  m.def("_set_cpu_attention_isa", &cpu::set_isa, py::arg("name"),
+        "Tests and benchmarks: force 'generic' or 'avx2' (ValueError if unavailable), or 'auto'.");
+}
+
+}  // namespace cbcore

@@ -1,0 +1,13 @@
+// Decode attention kernels for __half (see cuda_decode_attention.cuh).
+#include "attention/cuda_decode_attention_launch.cuh"
+
+namespace cbcore {
+namespace cuda {
+
+cudaError_t launch_decode_attention_f16(const DecodeParams& p, int head_dim, int gpad, dim3 grid, int smem_bytes,
+                                     cudaStream_t stream) {
+  return launch_decode_attention<__half>(p, head_dim, gpad, grid, smem_bytes, stream);
+}
+
+}  // namespace cuda
+}  // namespace cbcore

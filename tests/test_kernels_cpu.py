@@ -1,0 +1,305 @@
+"""The C++ CPU kernels (cbcore._C: cache_write, decode_attention, prefill_attention) against the plain-torch
+references in cbcore/ops.py, which are the specification; then the dispatch in ops.py, and the engine with the
+kernels against the engine with the references.
+
+Caches are filled with noise everywhere, requests' blocks are scattered in random order and the padding of the block
+table points at real (noise) blocks, so reading a key that should not be seen changes the result.
+
+Tolerances: fp32 atol = rtol = 1e-5. bf16/fp16: the kernel's output (rounded to bf16/fp16 once, at the end) against
+the reference run in fp32 on the same bf16/fp16-rounded inputs, atol = rtol = 2e-2 (one bf16 rounding of the output is
+up to 2^-8 relative; the rest is fp32 summation order).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cbcore
+from cbcore import ops
+from conftest import greedy_config, random_prompts, run_engine, tiny_model
+
+_C = ops._cpu_kernels()
+pytestmark = pytest.mark.skipif(_C is None, reason="cbcore._C was built without the CPU attention kernels")
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+
+
+def paged_cache(k_lens, page_size, kv_heads, head_dim, dtype, generator):
+    """Noise-filled caches and a block table giving each request ceil(len / page_size) blocks in random order; the
+    rest of each table row points at other (noise) blocks."""
+    blocks_per_request = [-(-n // page_size) for n in k_lens]
+    num_blocks = sum(blocks_per_request) + 3
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    width = max(blocks_per_request) + 1
+    rows = []
+    for count in blocks_per_request:
+        own = [order.pop() for _ in range(count)]
+        padding = torch.randint(0, num_blocks, (width - count,), generator=generator).tolist()
+        rows.append(own + padding)
+    shape = (num_blocks, page_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=generator).to(dtype)
+    v_cache = torch.randn(shape, generator=generator).to(dtype)
+    return k_cache, v_cache, torch.tensor(rows, dtype=torch.int32)
+
+
+def assert_matches_reference(got, want_fp32, dtype):
+    tol = TOLERANCE[dtype]
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want_fp32.float(), atol=tol, rtol=tol)
+
+
+def decode_case(k_lens, page_size, heads, kv_heads, head_dim, window, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, table = paged_cache(k_lens, page_size, kv_heads, head_dim, dtype, generator)
+    q = torch.randn(len(k_lens), heads, head_dim, generator=generator).to(dtype)
+    lens = torch.tensor(k_lens, dtype=torch.int32)
+    scale = head_dim**-0.5
+    got = _C.decode_attention(q, k_cache, v_cache, table, lens, scale, -1 if window is None else window)
+    want = ops.decode_attention_reference(q.float(), k_cache.float(), v_cache.float(), table, lens, scale, window)
+    return got, want
+
+
+def prefill_case(k_lens, q_lens, page_size, heads, kv_heads, head_dim, window, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, table = paged_cache(k_lens, page_size, kv_heads, head_dim, dtype, generator)
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=generator).to(dtype)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    lens = torch.tensor(k_lens, dtype=torch.int32)
+    scale = head_dim**-0.5
+    got = _C.prefill_attention(q, k_cache, v_cache, table, cu, lens, scale, -1 if window is None else window)
+    want = ops.prefill_attention_reference(q.float(), k_cache.float(), v_cache.float(), table, cu, lens, scale, window)
+    return got, want
+
+
+def ragged_lengths(page_size):
+    """A single token, both sides of a page boundary, several pages, and (1100) past the 1024-key split of decode."""
+    return [1, page_size - 1, page_size, page_size + 1, 2 * page_size + 3, 37, 1100]
+
+
+GQA = [(4, 4), (16, 4), (16, 2)]  # (heads, kv_heads): ratios 1, 4, 8
+
+
+@pytest.mark.parametrize("page_size", [8, 16, 256])
+@pytest.mark.parametrize(("heads", "kv_heads"), GQA)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window", [None, 7])
+def test_decode_matches_reference_fp32(page_size, heads, kv_heads, head_dim, window) -> None:
+    got, want = decode_case(ragged_lengths(page_size), page_size, heads, kv_heads, head_dim, window, torch.float32)
+    assert_matches_reference(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("heads", "kv_heads"), GQA)
+@pytest.mark.parametrize("window", [None, 7])
+def test_decode_matches_reference_half_precision(dtype, heads, kv_heads, window) -> None:
+    got, want = decode_case(ragged_lengths(16), 16, heads, kv_heads, 64, window, dtype)
+    assert_matches_reference(got, want, dtype)
+
+
+def prefill_lengths(page_size):
+    """(k_lens, q_lens): a whole prompt, a chunk after a cached prefix, a single new token, a request with no query
+    this step, a long prompt spanning several query and key tiles, and lengths around page boundaries."""
+    k_lens = [1, page_size + 1, 2 * page_size + 5, 9, 150, page_size]
+    q_lens = [1, page_size + 1, 7, 0, 150, 1]
+    return k_lens, q_lens
+
+
+@pytest.mark.parametrize("page_size", [8, 16, 256])
+@pytest.mark.parametrize(("heads", "kv_heads"), GQA)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window", [None, 7])
+def test_prefill_matches_reference_fp32(page_size, heads, kv_heads, head_dim, window) -> None:
+    k_lens, q_lens = prefill_lengths(page_size)
+    got, want = prefill_case(k_lens, q_lens, page_size, heads, kv_heads, head_dim, window, torch.float32)
+    assert_matches_reference(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("heads", "kv_heads"), GQA)
+@pytest.mark.parametrize("window", [None, 7])
+def test_prefill_matches_reference_half_precision(dtype, heads, kv_heads, window) -> None:
+    k_lens, q_lens = prefill_lengths(16)
+    got, want = prefill_case(k_lens, q_lens, 16, heads, kv_heads, 64, window, dtype)
+    assert_matches_reference(got, want, dtype)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    data=st.data(),
+    page_size=st.sampled_from([1, 3, 8, 16, 64]),
+    kv_heads=st.sampled_from([1, 2, 3]),
+    group=st.sampled_from([1, 2, 3, 5, 8, 9]),
+    head_dim=st.sampled_from([8, 24, 64, 80]),
+    window=st.one_of(st.none(), st.integers(1, 40)),
+)
+def test_any_shape_matches_reference(data, page_size, kv_heads, group, head_dim, window) -> None:
+    """Odd page sizes, group sizes and head dims (multiples of 8) too: every shape the kernels accept."""
+    k_lens = data.draw(st.lists(st.integers(1, 130), min_size=1, max_size=4))
+    q_lens = [data.draw(st.integers(0, n)) for n in k_lens]
+    heads = kv_heads * group
+    got, want = decode_case(k_lens, page_size, heads, kv_heads, head_dim, window, torch.float32)
+    assert_matches_reference(got, want, torch.float32)
+    got, want = prefill_case(k_lens, q_lens, page_size, heads, kv_heads, head_dim, window, torch.float32)
+    assert_matches_reference(got, want, torch.float32)
+
+
+def test_strided_queries_are_read_in_place() -> None:
+    """The attention function passes q as a transposed view ([T, heads, d] out of [1, heads, T, d])."""
+    generator = torch.Generator().manual_seed(3)
+    k_cache, v_cache, table = paged_cache([20, 5], 8, 2, 64, torch.float32, generator)
+    query = torch.randn(1, 8, 2, 64, generator=generator)
+    q = query[0].transpose(0, 1)
+    assert not q.is_contiguous()
+    lens = torch.tensor([20, 5], dtype=torch.int32)
+    got = _C.decode_attention(q, k_cache, v_cache, table, lens, 0.125, -1)
+    want = ops.decode_attention_reference(q, k_cache, v_cache, table, lens, 0.125)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_results_do_not_depend_on_threads_or_batch() -> None:
+    """Bitwise: each (request, kv head, chunk) is computed by one thread in a fixed order, and split-K chunk
+    boundaries are fixed positions, so a request's output is the same alone or in any batch, on 1 or 2 threads."""
+    generator = torch.Generator().manual_seed(4)
+    k_lens = [2500, 40, 1100, 3]
+    k_cache, v_cache, table = paged_cache(k_lens, 16, 4, 64, torch.float32, generator)
+    q = torch.randn(len(k_lens), 16, 64, generator=generator)
+    lens = torch.tensor(k_lens, dtype=torch.int32)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batched = _C.decode_attention(q, k_cache, v_cache, table, lens, 0.125, -1)
+        torch.set_num_threads(1)
+        for i in range(len(k_lens)):
+            alone = _C.decode_attention(q[i:i + 1], k_cache, v_cache, table[i:i + 1], lens[i:i + 1], 0.125, -1)
+            assert torch.equal(alone[0], batched[i]), f"request {i} changed with the batch or thread count"
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.skipif(_C is not None and _C.cpu_attention_isa() != "avx2", reason="no AVX2 copy on this CPU/build")
+def test_generic_copy_matches_reference_too() -> None:
+    """The portable copy of the kernels (what a CPU without AVX2/FMA runs) is tested on this machine as well."""
+    try:
+        _C._set_cpu_attention_isa("generic")
+        assert _C.cpu_attention_isa() == "generic"
+        for dtype in (torch.float32, torch.bfloat16):
+            got, want = decode_case(ragged_lengths(16), 16, 16, 4, 64, None, dtype)
+            assert_matches_reference(got, want, dtype)
+            k_lens, q_lens = prefill_lengths(16)
+            got, want = prefill_case(k_lens, q_lens, 16, 16, 4, 64, 7, dtype)
+            assert_matches_reference(got, want, dtype)
+    finally:
+        _C._set_cpu_attention_isa("auto")
+
+
+@pytest.mark.parametrize(("cache_dtype", "src_dtype"), [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+    (torch.bfloat16, torch.float32),  # converted on the way in, like the reference's k.to(cache dtype)
+])
+def test_cache_write_matches_reference(cache_dtype, src_dtype) -> None:
+    generator = torch.Generator().manual_seed(5)
+    num_blocks, page_size, kv_heads, head_dim = 6, 8, 2, 64
+    key = torch.randn(1, kv_heads, 30, head_dim, generator=generator).to(src_dtype)
+    k = key[0].transpose(0, 1)  # [T, kv_heads, d], strided like the attention function's
+    v = torch.randn(30, kv_heads, head_dim, generator=generator).to(src_dtype)
+    slots = torch.randperm(num_blocks * page_size, generator=generator)[:30]
+    got_k = torch.randn(num_blocks, page_size, kv_heads, head_dim, generator=generator).to(cache_dtype)
+    got_v = torch.randn_like(got_k)
+    want_k, want_v = got_k.clone(), got_v.clone()
+    _C.cache_write(k, v, got_k, got_v, slots)
+    ops.cache_write_reference(k, v, want_k, want_v, slots)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+def test_cache_write_rejects_a_slot_outside_the_cache_and_writes_nothing() -> None:
+    k_cache = torch.zeros(2, 4, 1, 8)
+    v_cache = torch.zeros_like(k_cache)
+    with pytest.raises(ValueError, match="slot 8 of token 1 is outside the cache"):
+        _C.cache_write(torch.ones(2, 1, 8), torch.ones(2, 1, 8), k_cache, v_cache, torch.tensor([0, 8]))
+    assert not k_cache.any()
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (dict(q_dtype=torch.bfloat16), "q is BFloat16 but the cache is Float"),
+    (dict(lens=[0]), "request 0 has seq_len 0"),
+    (dict(lens=[17]), "request 0 has 17 keys but its block table row holds 2 blocks"),
+    (dict(table=[[0, 9]]), "block table entry 1 is 9, outside"),
+    (dict(window=0), "sliding_window must be >= 1, or -1"),
+])
+def test_decode_rejects_bad_arguments_with_value_error(change, message) -> None:
+    k_cache = torch.zeros(4, 8, 1, 8)
+    q = torch.zeros(1, 2, 8, dtype=change.get("q_dtype", torch.float32))
+    table = torch.tensor(change.get("table", [[0, 1]]), dtype=torch.int32)
+    lens = torch.tensor(change.get("lens", [9]), dtype=torch.int32)
+    with pytest.raises(ValueError, match=message):
+        _C.decode_attention(q, k_cache, k_cache, table, lens, 1.0, change.get("window", -1))
+
+
+# ---- dispatch (ops.py) ------------------------------------------------------------------------------------------
+
+
+def small_decode_inputs(dtype=torch.float32):
+    generator = torch.Generator().manual_seed(6)
+    k_cache, v_cache, table = paged_cache([5, 19], 8, 2, 64, dtype, generator)
+    q = torch.randn(2, 4, 64, generator=generator).to(dtype)
+    return q, k_cache, v_cache, table, torch.tensor([5, 19], dtype=torch.int32), 0.125
+
+
+def test_unknown_kernel_mode_raises_naming_the_variable(monkeypatch) -> None:
+    monkeypatch.setenv("CBCORE_KERNELS", "fastest")
+    with pytest.raises(ValueError, match="CBCORE_KERNELS='fastest'"):
+        ops.decode_attention(*small_decode_inputs())
+
+
+def test_auto_uses_the_cpu_kernel_and_reference_mode_the_reference(monkeypatch) -> None:
+    inputs = small_decode_inputs()
+    kernel = _C.decode_attention(*inputs, -1)
+    reference = ops.decode_attention_reference(*inputs)
+    assert not torch.equal(kernel, reference), "inputs too easy: kernel and reference agree bitwise"
+    monkeypatch.setenv("CBCORE_KERNELS", "auto")
+    assert torch.equal(ops.decode_attention(*inputs), kernel)
+    monkeypatch.setenv("CBCORE_KERNELS", "reference")
+    assert torch.equal(ops.decode_attention(*inputs), reference)
+
+
+def test_unsupported_dtype_falls_back_to_reference_in_auto_and_raises_when_cpu_is_forced(monkeypatch) -> None:
+    inputs = small_decode_inputs(torch.float64)
+    monkeypatch.setenv("CBCORE_KERNELS", "auto")
+    torch.testing.assert_close(ops.decode_attention(*inputs), ops.decode_attention_reference(*inputs))
+    monkeypatch.setenv("CBCORE_KERNELS", "cpu")
+    with pytest.raises(RuntimeError, match="CBCORE_KERNELS=cpu but decode_attention cannot use that backend"):
+        ops.decode_attention(*inputs)
+
+
+def test_queries_with_a_strided_last_dimension_still_use_the_kernel(monkeypatch) -> None:
+    q, k_cache, v_cache, table, lens, scale = small_decode_inputs()
+    q_strided = torch.empty(*q.shape, 2).select(-1, 0).copy_(q)  # last-dimension stride 2
+    monkeypatch.setenv("CBCORE_KERNELS", "cpu")
+    got = ops.decode_attention(q_strided, k_cache, v_cache, table, lens, scale)
+    assert torch.equal(got, _C.decode_attention(q, k_cache, v_cache, table, lens, scale, -1))
+
+
+def test_available_backends_reports_the_cpu_kernels(monkeypatch) -> None:
+    monkeypatch.delenv("CBCORE_KERNELS", raising=False)
+    backends = ops.available_backends()
+    assert backends["mode"] == "auto"
+    assert backends["cpu"] == f"cbcore._C ({_C.cpu_attention_isa()})"
+
+
+# ---- engine -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kind", "page_size"), [("mistral_sliding", 4), ("llama_gqa", 16)])
+def test_engine_gives_the_same_tokens_with_kernels_and_with_references(monkeypatch, kind, page_size) -> None:
+    model = tiny_model(kind)
+    prompts = random_prompts([1, 7, 16, 33, 70], seed=11)
+    config = cbcore.ContinuousBatchingConfig(page_size=page_size, max_batch_tokens=24)
+    tokens = {}
+    for mode in ("reference", "auto"):
+        monkeypatch.setenv("CBCORE_KERNELS", mode)
+        outputs, _ = run_engine(model, prompts, greedy_config(10), config)
+        tokens[mode] = [output.generated_tokens for output in outputs.values()]
+    assert tokens["auto"] == tokens["reference"]
