@@ -113,6 +113,9 @@ class PagedKVCache:
         self.value_caches = [torch.zeros(page_shape, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
         self.allocator = BlockAllocator(num_blocks, page_size)
         self.swap: HostSwap | None = None
+        # What each hashed block was committed under: block -> (parent block, parent's generation then, tokens). Lets
+        # the host tier rebuild an evicted block's whole prefix, and only while every link is still current.
+        self._committed: dict[int, tuple[int, int, tuple[int, ...]]] = {}
 
     def enable_swap(self, num_host_blocks: int) -> None:
         """Attach a host pool of `num_host_blocks` blocks: preempted requests may then be swapped out."""
@@ -151,8 +154,67 @@ class PagedKVCache:
         blocks = self.allocator.match_prefix(state.all_tokens, max_blocks)
         state.block_table = list(blocks)
         state.num_committed_blocks = len(blocks)
-        state.num_computed_tokens = len(blocks) * self.page_size
+        if self.swap is not None and self.swap.tier.num_blocks:
+            self._bring_back_from_host(state, max_blocks)
+        state.num_computed_tokens = len(state.block_table) * self.page_size
         return state.num_computed_tokens
+
+    def _bring_back_from_host(self, state: RequestState, max_blocks: int) -> None:
+        """Extend a device prefix match with blocks the host tier kept: each is copied back into a fresh device
+        block (queued for this step's flush) and hashed again, so it is shared as if it had never left."""
+        page = self.page_size
+        tokens = state.all_tokens
+        node = self.swap.tier.walk([tuple(tokens[i * page : (i + 1) * page]) for i in range(len(state.block_table))])
+        while node is not None and len(state.block_table) < max_blocks:
+            index = len(state.block_table)
+            block_tokens = tuple(tokens[index * page : (index + 1) * page])
+            child = node.children.get(block_tokens)
+            if child is None or child.host_block is None or self.allocator.num_available < 1:
+                return
+            host_block = self.swap.tier.take(child)
+            (device_block,) = self._allocate(1)
+            self.swap.bring_back(host_block, device_block)
+            parent = state.block_table[-1] if state.block_table else -1
+            self._commit(device_block, parent, block_tokens)
+            state.block_table.append(device_block)
+            state.num_committed_blocks += 1
+            node = child
+
+    def _allocate(self, count: int) -> list[int]:
+        """Fresh blocks from the allocator; with a host pool, the hashed blocks this evicts are first kept in its
+        host tier (when their whole prefix is still known)."""
+        shortfall = count - self.allocator.num_free
+        if self.swap is not None and shortfall > 0:
+            _free, lru, _used = self.allocator.blocks_in_state()
+            victims = lru[:shortfall]
+            for victim in victims:
+                path = self._prefix_path(victim)
+                if path is not None:
+                    self.swap.keep_in_tier(victim, path)
+            self.allocator.evict(len(victims))
+        return self.allocator.allocate(count)
+
+    def _commit(self, block: int, parent: int, tokens: tuple[int, ...]) -> bool:
+        committed = self.allocator.commit(block, parent, list(tokens))
+        if committed:
+            parent_generation = self.allocator.generation(parent) if parent >= 0 else 0
+            self._committed[block] = (parent, parent_generation, tokens)
+        return committed
+
+    def _prefix_path(self, block: int) -> list[tuple[int, ...]] | None:
+        """The tokens of every block from the root to `block`, or None if a link changed since it was committed."""
+        path = []
+        current = block
+        while current != -1:
+            entry = self._committed.get(current)
+            if entry is None or not self.allocator.is_cached(current):
+                return None
+            parent, parent_generation, tokens = entry
+            if parent != -1 and self.allocator.generation(parent) != parent_generation:
+                return None
+            path.append(tokens)
+            current = parent
+        return path[::-1]
 
     def can_grow(self, state: RequestState, num_tokens: int) -> bool:
         """Whether the request's block table can cover `num_tokens` tokens (evicting unused cached blocks if needed)."""
@@ -163,7 +225,7 @@ class PagedKVCache:
         """Extend the request's block table to cover `num_tokens` tokens; call `can_grow` first."""
         missing = self.blocks_for(num_tokens) - len(state.block_table)
         if missing > 0:
-            state.block_table.extend(self.allocator.allocate(missing))
+            state.block_table.extend(self._allocate(missing))
 
     def commit_full_blocks(self, state: RequestState) -> None:
         """Offer every newly completed block (all its tokens computed) to the prefix cache, chained on its parent."""
@@ -173,7 +235,7 @@ class PagedKVCache:
         page = self.page_size
         for index in range(state.num_committed_blocks, num_full):
             parent = state.block_table[index - 1] if index else -1
-            self.allocator.commit(state.block_table[index], parent, state.all_tokens[index * page : (index + 1) * page])
+            self._commit(state.block_table[index], parent, tuple(state.all_tokens[index * page : (index + 1) * page]))
         state.num_committed_blocks = max(state.num_committed_blocks, num_full)
 
     def blocks_to_fork(self, parent: RequestState) -> int:
@@ -190,7 +252,7 @@ class PagedKVCache:
         child.block_table = list(shared)
         if self.blocks_to_fork(parent):
             source = parent.block_table[num_full]
-            (copy,) = self.allocator.allocate(1)
+            (copy,) = self._allocate(1)
             for cache in self.key_caches + self.value_caches:
                 cache[copy].copy_(cache[source])
             child.block_table.append(copy)

@@ -578,8 +578,9 @@ class ContinuousBatchingManager:
     def stats(self) -> dict[str, int | float]:
         """Counters to log, since the manager was built: steps; computed, prompt, recomputed and generated tokens;
         blocks free / cached (unused) / used; prefix-cache lookups, hits, hit rate and prompt tokens it saved;
-        evictions; preemptions (swapped or recomputed); swaps out / in with bytes and host blocks free (with
-        `cpu_offload_space`); admissions deferred to share an in-flight prefix. Safe to call from any thread
+        evictions; preemptions (swapped or recomputed); swaps out / in with bytes, host blocks free (for swap, counting
+        the tier's), and the host tier's blocks kept, hits and drops (with `cpu_offload_space`); admissions deferred to
+        share an in-flight prefix. Safe to call from any thread
         (a snapshot that may be one step stale while the loop runs)."""
         stats: dict[str, int | float] = dict(self._counters)
         if self.cache is not None:
@@ -601,7 +602,12 @@ class ContinuousBatchingManager:
             )
             if self.cache.swap is not None:
                 stats.update(self.cache.swap.counters)
-                stats.update(host_blocks=self.cache.swap.num_host_blocks, host_blocks_free=self.cache.swap.num_free)
+                stats.update(self.cache.swap.tier.counters)
+                stats.update(
+                    host_blocks=self.cache.swap.num_host_blocks,
+                    host_blocks_free=self.cache.swap.num_free,
+                    host_tier_blocks=self.cache.swap.tier.num_blocks,
+                )
         return stats
 
     @property

@@ -29,6 +29,7 @@ import psutil
 import torch
 
 from ._C import SwapPool
+from .host_tier import HostTier
 
 GIB = 2**30
 
@@ -94,16 +95,19 @@ class HostSwap:
         self._in: tuple[list[int], list[int]] = ([], [])  # (host ids, device ids) queued this step
         self.bytes_per_block = self.pool.nbytes // num_host_blocks
         self.counters = {"swap_outs": 0, "swap_ins": 0, "swap_bytes_out": 0, "swap_bytes_in": 0}
+        self.tier = HostTier()  # evicted prefix blocks kept in host blocks that swap does not use
         self.policy = SwapPolicy(self.bytes_per_block // page_size, self._measure_copy_bandwidth())
 
     @property
     def num_free(self) -> int:
-        """Host blocks free for the next swap-out."""
-        return len(self._free)
+        """Host blocks free for the next swap-out, counting those the host tier would give back (swap first)."""
+        return len(self._free) + self.tier.num_blocks
 
     def swap_out(self, device_blocks: list[int]) -> list[int]:
         """Queue copies of these device blocks into fresh host blocks; returns the host ids (the caller may release
         the device blocks at once: nothing runs on them before this step's `flush`)."""
+        if len(self._free) < len(device_blocks):
+            self._free.extend(self._reclaim_from_tier(len(device_blocks) - len(self._free)))
         host_blocks = [self._free.pop() for _ in device_blocks]
         self._out[0].extend(device_blocks)
         self._out[1].extend(host_blocks)
@@ -117,6 +121,40 @@ class HostSwap:
         self._in[1].extend(device_blocks)
         self.counters["swap_ins"] += 1
         self.counters["swap_bytes_in"] += len(host_blocks) * self.bytes_per_block
+
+    def keep_in_tier(self, device_block: int, path: list[tuple[int, ...]]) -> bool:
+        """Queue a copy of an evicted prefix block into a host block of the tier (a free one, else the tier's least
+        recently used one); False when it is kept already or the pool has no block to spare."""
+        node = self.tier.walk(path)
+        if node is not None and node.host_block is not None:
+            self.tier.touch(node)
+            return False
+        if self._free:
+            host_block = self._free.pop()
+        else:
+            reclaimed = self._reclaim_from_tier(1)
+            if not reclaimed:
+                return False
+            host_block = reclaimed[0]
+        self._out[0].append(device_block)
+        self._out[1].append(host_block)
+        self.tier.keep(path, host_block)
+        return True
+
+    def bring_back(self, host_block: int, device_block: int) -> None:
+        """Queue the copy of a tier block back to the device; the host block is free after the step's flush."""
+        self._in[0].append(host_block)
+        self._in[1].append(device_block)
+
+    def _reclaim_from_tier(self, count: int) -> list[int]:
+        """Host blocks taken back from the tier; a copy into one of them still queued this step is dropped, so no
+        host block is written twice in one batched copy."""
+        reclaimed = self.tier.reclaim(count)
+        if reclaimed and self._out[1]:
+            dropped = set(reclaimed)
+            kept = [(d, h) for d, h in zip(*self._out) if h not in dropped]
+            self._out = ([d for d, _ in kept], [h for _, h in kept])
+        return reclaimed
 
     def release(self, host_blocks: Iterable[int]) -> None:
         """Give back the host blocks of a request that ended while swapped out."""
@@ -135,13 +173,16 @@ class HostSwap:
         self._in = ([], [])
 
     def check(self, holders: dict[int, int]) -> None:
-        """Every host block is free or held by exactly one swapped-out request, never both."""
+        """Every host block is free, held by exactly one swapped-out request, or kept by the host tier; never two."""
+        holders = dict(holders)
+        for block in self.tier.held_blocks():
+            holders[block] = holders.get(block, 0) + 1
         free = set(self._free)
         if len(free) != len(self._free):
             raise RuntimeError("swap pool: a host block is in the free list twice")
         for block, count in holders.items():
             if count != 1:
-                raise RuntimeError(f"swap pool: host block {block} is held by {count} requests")
+                raise RuntimeError(f"swap pool: host block {block} is held {count} times (requests and host tier)")
             if block in free:
                 raise RuntimeError(f"swap pool: host block {block} is both free and held")
         if len(free) + len(holders) != self.num_host_blocks:

@@ -132,3 +132,28 @@ def test_offload_works_without_a_gpu_where_transformers_raises_at_start_up() -> 
                                                                                               cpu_offload_space=0.01))
     for prompt, output in zip(prompts, outputs.values()):
         assert output.generated_tokens == reference_tokens(model, prompt, greedy_config(4))
+
+
+def test_an_evicted_prefix_comes_back_from_the_host_tier_with_unchanged_output() -> None:
+    model = tiny_model("llama_gqa")
+    prefix = random_prompts([24], seed=83)[0]  # 6 full blocks of 4
+    first, later = prefix + [7, 8], prefix + [9]
+    fillers = random_prompts([30, 29], seed=84)  # each needs most of the 12-block cache: the prefix gets evicted
+    config = cbcore.ContinuousBatchingConfig(page_size=4, num_blocks=12, cpu_offload_space=0.01)
+    manager = cbcore.ContinuousBatchingManager(model, greedy_config(4), config)
+    manager.start()
+    try:
+        outputs = {}
+        for prompt in [first, *fillers, later]:
+            request_id = manager.add_request(prompt)
+            outputs[request_id] = (prompt, manager.get_result(request_id, timeout=60))
+    finally:
+        manager.stop()
+    manager.check_invariants()
+    stats = manager.stats()
+    assert stats["evictions"] > 0 and stats["host_tier_kept"] > 0
+    assert stats["host_tier_hits"] == 6  # the later request's whole shared prefix came back from the host
+    assert stats["prefix_hit_tokens"] >= 24
+    for prompt, output in outputs.values():
+        assert output.status == cbcore.RequestStatus.FINISHED
+        assert output.generated_tokens == reference_tokens(model, prompt, greedy_config(4))
