@@ -7,16 +7,20 @@ from __future__ import annotations
 import random
 import threading
 
+import pytest
+
 import cbcore
 from conftest import VOCAB, assert_engine_clean, greedy_config, reference_tokens, tiny_model
 
 NUM_REQUESTS = 200
 
 
-def test_two_hundred_requests_with_cancels_a_pause_preemption_and_bad_input() -> None:
+@pytest.mark.parametrize("offload_gib", [0.0, 0.001], ids=["recompute", "swap_and_host_tier"])
+def test_two_hundred_requests_with_cancels_a_pause_preemption_and_bad_input(offload_gib: float) -> None:
     rng = random.Random(2026)
     model = tiny_model("llama_gqa")
-    config = cbcore.ContinuousBatchingConfig(page_size=4, num_blocks=40, max_batch_tokens=64)  # 160 tokens in all
+    # 160 tokens in all; with offload, a host pool of 0.001 GiB (512 blocks) for swap and the prefix cache's host tier.
+    config = cbcore.ContinuousBatchingConfig(page_size=4, num_blocks=40, max_batch_tokens=64, cpu_offload_space=offload_gib)
     manager = cbcore.ContinuousBatchingManager(model, greedy_config(12), config)
 
     requests: dict[str, dict] = {}
@@ -61,6 +65,9 @@ def test_two_hundred_requests_with_cancels_a_pause_preemption_and_bad_input() ->
     assert manager.output_router.empty()
     assert_engine_clean(manager)
     assert manager.num_preemptions > 0
+    if offload_gib:
+        stats = manager.stats()
+        assert stats["swap_outs"] > 0 and stats["host_tier_kept"] > 0
 
     for request_id in invalid:
         output = finals[request_id][0]
