@@ -32,8 +32,8 @@ from .outputs import OutputRouter
 from .requests import GenerationOutput, RequestState, RequestStatus
 from .runner import ModelRunner
 from .sampling import Sampler
-from .swap import plan_num_host_blocks
 from .scheduler import SCHEDULING_ORDERS, ScheduledBatch, Scheduler
+from .swap import plan_num_host_blocks
 
 logger = logging.getLogger("cbcore")
 
