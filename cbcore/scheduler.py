@@ -54,6 +54,11 @@ class ScheduledBatch:
     failed: list[tuple[RequestState, str]] = field(default_factory=list)
 
     @property
+    def preempted_ids(self) -> set[int]:
+        """`id()` of the preempted states, for O(1) membership while scheduling."""
+        return {id(state) for state in self.preempted}
+
+    @property
     def num_tokens(self) -> int:
         """Query tokens in the step."""
         return sum(item.num_tokens for item in self.requests)
@@ -158,13 +163,13 @@ class Scheduler:
         scheduled: set[int] = set()  # ids of states already in the batch: never chosen as preemption victims
 
         for state in [s for s in self.running if s.num_children and s.num_uncomputed_tokens == 1]:
-            if state in self.running:  # not preempted by an earlier fork
+            if state not in batch.preempted:  # not preempted by an earlier fork
                 self._fork(state, batch)
 
         for state in self.order.running_order(self.running):
             if token_budget == 0 or len(batch.requests) == self.max_requests_per_batch:
                 break
-            if state not in self.running:  # preempted earlier in this loop
+            if id(state) in batch.preempted_ids:  # preempted earlier in this loop
                 continue
             num_tokens = min(self._tokens_before_fork(state), token_budget)
             if num_tokens == 0:  # waits for its children to be forked (next step)
