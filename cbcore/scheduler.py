@@ -54,11 +54,6 @@ class ScheduledBatch:
     failed: list[tuple[RequestState, str]] = field(default_factory=list)
 
     @property
-    def preempted_ids(self) -> set[int]:
-        """`id()` of the preempted states, for O(1) membership while scheduling."""
-        return {id(state) for state in self.preempted}
-
-    @property
     def num_tokens(self) -> int:
         """Query tokens in the step."""
         return sum(item.num_tokens for item in self.requests)
@@ -169,7 +164,7 @@ class Scheduler:
         for state in self.order.running_order(self.running):
             if token_budget == 0 or len(batch.requests) == self.max_requests_per_batch:
                 break
-            if id(state) in batch.preempted_ids:  # preempted earlier in this loop
+            if state in batch.preempted:  # preempted earlier in this loop (a short list; identity comparison)
                 continue
             num_tokens = min(self._tokens_before_fork(state), token_budget)
             if num_tokens == 0:  # waits for its children to be forked (next step)
