@@ -31,8 +31,10 @@ from .requests import RequestState
 from .swap import HostSwap
 
 # On a CPU the KV cache lives in the same RAM as everything else; never take more than this by default, so a small
-# model on a laptop-sized machine cannot push it into swap (transformers takes 60% of free RAM on CPU).
-CPU_CACHE_CAP_BYTES = 256 * 2**20
+# model on a laptop-sized machine cannot push it into swap (transformers takes 60% of free RAM on CPU). 1 GiB holds
+# 64 requests of 512 tokens for a 32-layer model with 8 KV heads of 128 in bf16 / 16 layers in fp32; a workload that
+# would need more is preempted (swap or recompute) rather than given more RAM, unless `num_blocks` says otherwise.
+CPU_CACHE_CAP_BYTES = 2**30
 
 
 @dataclass(frozen=True)
@@ -66,14 +68,14 @@ def plan_num_blocks(
     device: torch.device,
     max_memory_percent: float,
     reserved_bytes: int,
-    max_useful_tokens: int | None = None,
+    max_useful_blocks: int | None = None,
 ) -> int:
     """How many blocks to allocate when the user left `num_blocks=None`.
 
     The budget is `max_memory_percent` of the memory that is free once the model is loaded, minus `reserved_bytes`
     (the activations of the largest step, computed from the step budgets). On CPU it is also capped at
-    `CPU_CACHE_CAP_BYTES`. `max_useful_tokens` (from workload hints: every request at its longest, all at once)
-    caps it further: more blocks than that would never be used.
+    `CPU_CACHE_CAP_BYTES`. `max_useful_blocks` (from workload hints: every request at its longest, all at once, see
+    `useful_blocks`) caps it further: more blocks than that would never be used.
     """
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
@@ -82,14 +84,20 @@ def plan_num_blocks(
         available = psutil.virtual_memory().available
         budget = min(max_memory_percent * max(available - reserved_bytes, 0), CPU_CACHE_CAP_BYTES)
     num_blocks = int(budget // (shape.bytes_per_token * page_size))
-    if max_useful_tokens is not None:
-        num_blocks = min(num_blocks, math.ceil(max_useful_tokens / page_size) + 1)
+    if max_useful_blocks is not None:
+        num_blocks = min(num_blocks, max_useful_blocks)
     if num_blocks < 1:
         raise ValueError(
             f"not enough free memory for a single KV-cache block of {page_size} tokens "
             f"({shape.bytes_per_token * page_size} bytes); set num_blocks explicitly or free memory"
         )
     return num_blocks
+
+
+def useful_blocks(num_requests: int, longest_request_tokens: int, page_size: int) -> int:
+    """Blocks that `num_requests` requests of at most `longest_request_tokens` tokens can hold at once: each
+    rounds up to whole pages, plus one block of slack for a request forked or admitted while another finishes."""
+    return num_requests * math.ceil(longest_request_tokens / page_size) + 1
 
 
 class PagedKVCache:

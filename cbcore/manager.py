@@ -26,7 +26,7 @@ from transformers import GenerationConfig
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from . import attention
-from .cache import CacheShape, PagedKVCache, plan_num_blocks
+from .cache import CacheShape, PagedKVCache, plan_num_blocks, useful_blocks
 from .config import ContinuousBatchingConfig, as_cbcore_config
 from .outputs import OutputRouter
 from .requests import GenerationOutput, RequestState, RequestStatus
@@ -158,7 +158,8 @@ class ContinuousBatchingManager:
             percent = cfg.max_memory_percent or (CPU_MAX_MEMORY_PERCENT if device.type != "cuda" else 0.9)
             useful = None
             if hints is not None and hints.num_requests > 0 and hints.max_prompt_length > 0:
-                useful = hints.num_requests * (hints.max_prompt_length + max(hints.max_generated_length, 1))
+                longest = hints.max_prompt_length + max(hints.max_generated_length, 1)
+                useful = useful_blocks(hints.num_requests, longest, cfg.page_size)
             num_blocks = plan_num_blocks(
                 shape, cfg.page_size, device, percent, self._activation_bytes(max_batch_tokens, max_requests), useful
             )

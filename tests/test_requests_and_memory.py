@@ -163,7 +163,8 @@ def test_workload_hints_shrink_the_default_cache_to_what_the_workload_can_use() 
     config = cbcore.ContinuousBatchingConfig(page_size=16)
     manager = cbcore.ContinuousBatchingManager(model, greedy_config(4), config, hints)
     manager.warmup()
-    assert manager.cache.num_blocks == -(-4 * 40 // 16) + 1
+    # Each of the 4 requests rounds its 40 tokens up to 3 pages of 16; one block of slack.
+    assert manager.cache.num_blocks == 4 * 3 + 1
     manager.destroy()
 
 
