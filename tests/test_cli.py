@@ -330,7 +330,7 @@ def test_no_command_prints_usage_and_exits_2(capsys) -> None:
     assert "generate" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", ["bench", "serve"])
+@pytest.mark.parametrize("command", ["serve"])
 def test_commands_not_written_yet_are_not_offered(capsys, command) -> None:
     with pytest.raises(SystemExit) as exit_info:
         cli.main([command])

