@@ -46,6 +46,11 @@ def paged_step() -> Iterator[None]:
         _in_paged_step.active = False
 
 
+def in_paged_step() -> bool:
+    """Whether the current thread is inside a cbcore step's forward."""
+    return getattr(_in_paged_step, "active", False)
+
+
 @dataclass
 class StepMetadata:
     """Flat tensors describing one step's packed batch; built once by the runner, read by every layer.

@@ -28,6 +28,7 @@ from transformers.generation.continuous_batching.utils import WorkloadHints
 from . import attention
 from .cache import CacheShape, PagedKVCache, plan_num_blocks, useful_blocks
 from .config import ContinuousBatchingConfig, as_cbcore_config
+from .linear import PackedLinears
 from .outputs import OutputRouter
 from .requests import GenerationOutput, RequestState, RequestStatus
 from .runner import ModelRunner
@@ -114,6 +115,9 @@ class ContinuousBatchingManager:
         # The model's attention is switched by start() and restored by stop(): a manager that is built but never
         # started leaves the model untouched (transformers switches it in __init__).
         self._original_attn_impl: str | None = None
+        # On CPU, start() also runs the model's linear layers on prepacked oneDNN weights during cbcore's steps
+        # (cbcore/linear.py); stop() gives them back.
+        self._packed_linears: PackedLinears | None = None
         self._use_prefix_sharing = self.continuous_batching_config.allow_block_sharing
 
     # ------------------------------------------------------------------------------------------------ set-up ----
@@ -138,6 +142,10 @@ class ContinuousBatchingManager:
         return -1
 
     def _restore_attn(self) -> None:
+        """Undo what `start()` did to the model: its attention implementation and the packed linear layers."""
+        if self._packed_linears is not None:
+            self._packed_linears.detach()
+            self._packed_linears = None
         if self._original_attn_impl is not None:
             self.model.set_attn_implementation(self._original_attn_impl)
             self._original_attn_impl = None
@@ -230,13 +238,16 @@ class ContinuousBatchingManager:
             logger.warning("Manager thread is already running.")
             return
         self.switch_to_cb_friendly_attn(self.model)
+        if self._packed_linears is None and self.model.device.type == "cpu":
+            self._packed_linears = PackedLinears.attach(self.model)
         if self.cache is None:
             self._build_engine()
         self._stop_mode = _StopMode.RUNNING
         self._fatal_error = None
         use_inference_mode = torch.is_inference_mode_enabled()
+        loop_kwargs = {"use_inference_mode": use_inference_mode, "num_threads": torch.get_num_threads()}
         self._generation_thread = threading.Thread(
-            target=self._run_generation_loop, name="cbcore-loop", kwargs={"use_inference_mode": use_inference_mode}, daemon=True
+            target=self._run_generation_loop, name="cbcore-loop", kwargs=loop_kwargs, daemon=True
         )
         self._generation_thread.start()
 
@@ -409,7 +420,11 @@ class ContinuousBatchingManager:
 
     # ------------------------------------------------------------------------------------ the loop thread ----
 
-    def _run_generation_loop(self, use_inference_mode: bool) -> None:
+    def _run_generation_loop(self, use_inference_mode: bool, num_threads: int) -> None:
+        # The caller's torch thread count, set again in this thread: without it, torch's CPU ops in a thread other
+        # than the main one ran 35-70% slower here (the new thread's OpenMP settings are not the ones torch set up;
+        # bench/README.md, "Threads").
+        torch.set_num_threads(num_threads)
         try:
             with torch.inference_mode(use_inference_mode):
                 while True:

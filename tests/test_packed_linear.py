@@ -1,0 +1,86 @@
+"""The prepacked oneDNN linear layers (cbcore/linear.py): used only inside cbcore's steps, removed at stop, refreshed
+when a weight changes in place, switchable off, and numerically a plain linear."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import cbcore
+from cbcore.attention import paged_step
+from cbcore.linear import PACKED_LINEAR_ENV, PackedLinears, packing_available
+from tests.conftest import collect_outputs, greedy_config, random_prompts, reference_tokens, run_engine, tiny_model
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear ops")
+
+
+def _linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear_inside_a_step_only(dtype, tolerance, bias) -> None:
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 48, bias=bias)).to(dtype)
+    x = torch.randn(1, 37, 64, dtype=dtype)
+    expected = torch.nn.functional.linear(x, layer[0].weight, layer[0].bias)
+    packed = PackedLinears.attach(layer)
+    assert packed is not None and packed.modules == [layer[0]]
+    with paged_step():
+        inside = layer(x)
+    assert torch.allclose(inside.float(), expected.float(), rtol=tolerance, atol=tolerance)
+    assert torch.equal(layer(x), expected)  # outside a step: the module's own forward, bit for bit
+    packed.detach()
+    assert "forward" not in layer[0].__dict__ and not hasattr(layer[0], "_cbcore_packed")
+
+
+def test_manager_packs_at_start_and_restores_at_stop() -> None:
+    model = tiny_model("llama_gqa")
+    manager = cbcore.ContinuousBatchingManager(model, greedy_config(4), cbcore.ContinuousBatchingConfig(page_size=8))
+    assert all("forward" not in m.__dict__ for m in _linears(model))  # built, not started: untouched
+    manager.start()
+    try:
+        assert all("forward" in m.__dict__ for m in _linears(model))
+        # A forward of the user's own on this thread is not a cbcore step: plain F.linear, same logits as before.
+        prompt = torch.tensor([random_prompts([9], seed=3)[0]])
+        with torch.no_grad():
+            during = model(prompt).logits
+    finally:
+        manager.stop(block=True, timeout=60)
+    assert all("forward" not in m.__dict__ for m in _linears(model))
+    with torch.no_grad():
+        assert torch.equal(model(prompt).logits, during)
+
+
+def test_weights_changed_in_place_during_a_pause_are_repacked() -> None:
+    model = copy.deepcopy(tiny_model("qwen2"))
+    prompts = random_prompts([7, 12], seed=5)
+    # Fresh prompts after the update: K/V cached for the old weights would be reused by a prefix hit.
+    new_prompts = random_prompts([9, 14], seed=6)
+    manager = cbcore.ContinuousBatchingManager(model, greedy_config(6), cbcore.ContinuousBatchingConfig(page_size=8))
+    manager.start()
+    try:
+        collect_outputs(manager, manager.add_requests(prompts))
+        with manager.pause(), torch.no_grad():
+            for module in _linears(model):
+                module.weight.mul_(-1.5)  # in place, as an optimizer step would
+        outputs = collect_outputs(manager, manager.add_requests(new_prompts))
+    finally:
+        manager.stop(block=True, timeout=60)
+    got = [out.generated_tokens for out in outputs.values()]
+    assert got == [reference_tokens(model, p, greedy_config(6)) for p in new_prompts]
+
+
+def test_packing_can_be_turned_off_and_a_bad_value_raises(monkeypatch) -> None:
+    model = tiny_model("llama_gqa")
+    monkeypatch.setenv(PACKED_LINEAR_ENV, "0")
+    assert PackedLinears.attach(model) is None
+    prompts = random_prompts([10, 5], seed=7)
+    outputs, _ = run_engine(model, prompts, greedy_config(5), cbcore.ContinuousBatchingConfig(page_size=4))
+    assert [o.generated_tokens for o in outputs.values()] == [reference_tokens(model, p, greedy_config(5)) for p in prompts]
+    monkeypatch.setenv(PACKED_LINEAR_ENV, "maybe")
+    with pytest.raises(ValueError, match=PACKED_LINEAR_ENV):
+        PackedLinears.attach(model)
