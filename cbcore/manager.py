@@ -421,9 +421,9 @@ class ContinuousBatchingManager:
     # ------------------------------------------------------------------------------------ the loop thread ----
 
     def _run_generation_loop(self, use_inference_mode: bool, num_threads: int) -> None:
-        # The caller's torch thread count, set again in this thread: without it, torch's CPU ops in a thread other
-        # than the main one ran 35-70% slower here (the new thread's OpenMP settings are not the ones torch set up;
-        # bench/README.md, "Threads").
+        # The caller's torch thread count, set explicitly in this thread, so the loop runs with the caller's choice
+        # rather than whatever OpenMP gives a new thread. (Some runs here measured torch ops 20-35% slower in a new
+        # thread without it; bench/test_bench_linear.py::test_threads tracks it, and it does not always reproduce.)
         torch.set_num_threads(num_threads)
         try:
             with torch.inference_mode(use_inference_mode):

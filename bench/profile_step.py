@@ -1,0 +1,137 @@
+"""Where a step's time goes: W1 through cbcore's engine, with each part of a step timed.
+
+    python bench/profile_step.py [--workload W1] [--dtype float32] [--threads 2]
+
+Runs the workload's requests through a `ContinuousBatchingManager` stepped in this thread (the loop's own `_step`, as
+its thread would run it) and times, per step: scheduling (`Scheduler.schedule` + `on_step_done`), building the batch
+(`ModelRunner.prepare`), the forward, and sampling; inside the forward: the linear layers, the attention kernels
+(`ops.cache_write`, `decode_attention`, `prefill_attention`) and the rest (norms, RoPE, activations, residuals, and
+transformers' Python between them). Steps are split into decode-only steps and steps with prefill rows. Writes
+`bench/results/profile_<W>_<dtype>.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.generation.continuous_batching.utils import WorkloadHints
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import cbcore  # noqa: E402
+from bench.peers import generation_config  # noqa: E402
+from bench.workloads import build_workload, model_folder  # noqa: E402
+from cbcore import ops  # noqa: E402
+from cbcore.linear import PackedLinears  # noqa: E402
+
+PARTS = ("schedule", "prepare", "linear", "attention", "forward_rest", "sample", "other")
+
+
+class Timers:
+    """Seconds per part for the step being run, folded into per-kind totals when the step ends."""
+
+    def __init__(self) -> None:
+        self.current: collections.Counter[str] = collections.Counter()
+        self.totals = {"decode": collections.Counter(), "prefill": collections.Counter()}
+        self.steps = collections.Counter()
+        self.kind = "decode"  # of the step being run: "prefill" when it has a row of more than one token
+
+    def wrap(self, name: str, function):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.current[name] += time.perf_counter() - start
+
+        return timed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", default="W1", choices=("W1", "W2", "W3", "W4"))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    workload = build_workload(args.workload)
+    model = AutoModelForCausalLM.from_pretrained(model_folder(workload.model), dtype=getattr(torch, args.dtype)).eval()
+    longest = max(len(p) for p in workload.prompts)
+    hints = WorkloadHints(max_prompt_length=longest, max_generated_length=workload.max_new_tokens,
+                          num_requests=len(workload.prompts))
+    manager = cbcore.ContinuousBatchingManager(model, generation_config(workload), None, hints)
+    # What start() sets up (engine, attention switch, packed linears), without the loop thread: this thread steps.
+    manager.warmup()
+    manager.switch_to_cb_friendly_attn(model)
+    manager._packed_linears = PackedLinears.attach(model)
+    timers = Timers()
+    scheduler, runner = manager.scheduler, manager.runner
+    scheduler.schedule = timers.wrap("schedule", scheduler.schedule)
+    scheduler.on_step_done = timers.wrap("schedule", scheduler.on_step_done)
+    prepare = timers.wrap("prepare", runner.prepare)
+
+    def prepare_and_classify(batch):
+        timers.kind = "prefill" if any(item.num_tokens > 1 for item in batch.requests) else "decode"
+        return prepare(batch)
+
+    runner.prepare = prepare_and_classify
+    runner.sampler.sample = timers.wrap("sample", runner.sampler.sample)
+    for name in ("cache_write", "decode_attention", "prefill_attention"):
+        setattr(ops, name, timers.wrap("attention", getattr(ops, name)))
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.forward = timers.wrap("linear", module.forward)
+    forward = model.forward
+    model.forward = timers.wrap("forward", forward)
+
+    manager.add_requests(workload.prompts)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        manager._take_new_requests()
+        while manager.scheduler.has_work():
+            step_start = time.perf_counter()
+            timers.kind = "decode"
+            manager._step()
+            elapsed = time.perf_counter() - step_start
+            part, kind = timers.current, timers.kind
+            part["forward_rest"] = part.pop("forward", 0.0) - part["linear"] - part["attention"]
+            part["other"] = elapsed - sum(part[p] for p in PARTS if p != "other")
+            timers.totals[kind].update(part)
+            timers.steps[kind] += 1
+            timers.current = collections.Counter()
+    wall = time.perf_counter() - started
+    manager._restore_attn()  # the attention implementation and the packed linears
+    generated = manager.stats()["generated_tokens"]
+    lines = [
+        f"# Where a {workload.name} step goes ({args.dtype}, {args.threads} threads)",
+        "",
+        f"`python bench/profile_step.py --workload {workload.name} --dtype {args.dtype} --threads {args.threads}`: "
+        f"{len(workload.prompts)} requests, {workload.length_distribution}; {generated} tokens in {wall:.2f} s "
+        f"({generated / wall:.0f} tok/s, stepped in the main thread, timers on).",
+        "",
+        "| steps | count | ms/step | " + " | ".join(PARTS) + " |",
+        "|---|---:|---:|" + "---:|" * len(PARTS),
+    ]
+    for kind, totals in timers.totals.items():
+        count = timers.steps[kind]
+        if not count:
+            continue
+        step_ms = 1000 * sum(totals[p] for p in PARTS) / count
+        cells = " | ".join(f"{1000 * totals[p] / count:.1f} ({100 * totals[p] / (step_ms * count / 1000):.0f}%)" for p in PARTS)
+        lines.append(f"| {kind} | {count} | {step_ms:.1f} | {cells} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"profile_{workload.name}_{args.dtype}.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
