@@ -1,9 +1,10 @@
 """Prepacked oneDNN matmuls for the model's `nn.Linear` layers during cbcore's CPU steps.
 
-Why: on the CPU a step is mostly linear layers (about 80% of a W1 step), and torch's CPU builds run fp32 `F.linear`
-through MKL, which on this AMD EPYC reaches 60-140 GFLOP/s on the shapes of a step, against 150-210 GFLOP/s for
-oneDNN with the weight reordered once into its blocked layout (bench/README.md, "Linear layers"). The engine's
-end-to-end W1 throughput rises by about a quarter.
+Why: on the CPU a step is mostly linear layers (half of a W1 decode step, three quarters of a prefill step), and
+torch's x86 builds run fp32 `F.linear` through MKL, which on this AMD EPYC reaches 83-200 GFLOP/s on the shapes of a
+step, against 180-220 GFLOP/s for oneDNN with the weight reordered once into its blocked layout
+(`bench/test_bench_linear.py`, `bench/results/linear_cpu.md`). The engine's end-to-end W1 throughput rises by about a
+quarter.
 
 How: `PackedLinears.attach(model)` (called by the manager's `start()`) reorders every CPU fp32/bf16 `nn.Linear`
 weight with `torch.ops.mkldnn._reorder_linear_weight` and gives the module an instance-level `forward` that runs
