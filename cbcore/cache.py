@@ -124,6 +124,8 @@ class PagedKVCache:
         # What each hashed block was committed under: block -> (parent block, parent's generation then, tokens). Lets
         # the host tier rebuild an evicted block's whole prefix, and only while every link is still current.
         self._committed: dict[int, tuple[int, int, tuple[int, ...]]] = {}
+        # Hashed blocks whose K/V predates a weight change (block -> its generation then); see invalidate_prefixes.
+        self._stale: dict[int, int] = {}
 
     def enable_swap(self, num_host_blocks: int) -> None:
         """Attach a host pool of `num_host_blocks` blocks: preempted requests may then be swapped out."""
@@ -147,6 +149,35 @@ class PagedKVCache:
         """Blocks needed to hold `num_tokens` tokens."""
         return -(-num_tokens // self.page_size)
 
+    # ---- weights changed ---------------------------------------------------------------------------------------
+
+    def invalidate_prefixes(self) -> int:
+        """The model's weights changed: no K/V computed before may be shared from now on. Hashed blocks nobody holds
+        are evicted, the host tier is emptied, and the hashed blocks that running requests still hold are marked
+        stale (by block id and generation, so a block is fresh again once recycled): a prefix match stops before
+        the first stale block, and a block chained on a stale one is never committed. Requests already running
+        keep their own K/V (as in transformers). Returns the number of blocks dropped or marked."""
+        if not self.allow_prefix_sharing:
+            return 0
+        dropped = self.allocator.num_cached_unused
+        self.allocator.evict(dropped)
+        for block in self._committed:
+            if self.allocator.is_cached(block):  # still hashed, so held by a running request
+                self._stale[block] = self.allocator.generation(block)
+        self._committed.clear()
+        if self.swap is not None:
+            self.swap.release(self.swap._reclaim_from_tier(self.swap.tier.num_blocks))
+        return dropped + len(self._stale)
+
+    def _is_stale(self, block: int) -> bool:
+        generation = self._stale.get(block)
+        if generation is None:
+            return False
+        if generation != self.allocator.generation(block):  # recycled since: fresh K/V
+            del self._stale[block]
+            return False
+        return True
+
     # ---- bookkeeping called by the scheduler -------------------------------------------------------------------
 
     def match_prefix(self, state: RequestState) -> int:
@@ -159,8 +190,12 @@ class PagedKVCache:
         max_blocks = (state.num_tokens - 1) // self.page_size
         if max_blocks <= 0:
             return 0
-        blocks = self.allocator.match_prefix(state.all_tokens, max_blocks)
-        state.block_table = list(blocks)
+        blocks = list(self.allocator.match_prefix(state.all_tokens, max_blocks))
+        fresh = next((i for i, block in enumerate(blocks) if self._is_stale(block)), len(blocks))
+        if fresh < len(blocks):  # K/V computed before a weight change: share only what precedes it
+            self.allocator.free(blocks[fresh:][::-1])
+            blocks = blocks[:fresh]
+        state.block_table = blocks
         state.num_committed_blocks = len(blocks)
         if self.swap is not None and self.swap.tier.num_blocks:
             self._bring_back_from_host(state, max_blocks)
@@ -196,13 +231,17 @@ class PagedKVCache:
             _free, lru, _used = self.allocator.blocks_in_state()
             victims = lru[:shortfall]
             for victim in victims:
-                path = self._prefix_path(victim)
+                path = None if self._is_stale(victim) else self._prefix_path(victim)
                 if path is not None:
                     self.swap.keep_in_tier(victim, path)
             self.allocator.evict(len(victims))
         return self.allocator.allocate(count)
 
     def _commit(self, block: int, parent: int, tokens: tuple[int, ...]) -> bool:
+        if parent >= 0 and self._is_stale(parent):
+            # Its K/V attended to K/V of the old weights: as stale as its parent, so never offered for sharing.
+            self._stale[block] = self.allocator.generation(block)
+            return False
         committed = self.allocator.commit(block, parent, list(tokens))
         if committed:
             parent_generation = self.allocator.generation(parent) if parent >= 0 else 0

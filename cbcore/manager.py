@@ -118,6 +118,8 @@ class ContinuousBatchingManager:
         # On CPU, start() also runs the model's linear layers on prepacked oneDNN weights during cbcore's steps
         # (cbcore/linear.py); stop() gives them back.
         self._packed_linears: PackedLinears | None = None
+        # The parameters' in-place version counters when the loop last looked (see _notice_weight_changes).
+        self._weights_signature: int | None = None
         self._use_prefix_sharing = self.continuous_batching_config.allow_block_sharing
 
     # ------------------------------------------------------------------------------------------------ set-up ----
@@ -440,6 +442,7 @@ class ContinuousBatchingManager:
                         self._wake_up_loop.wait(timeout=0.1)
                         self._wake_up_loop.clear()
                         continue
+                    self._notice_weight_changes()
                     self._step()
         except BaseException as error:  # noqa: BLE001 - the loop must report, not vanish
             logger.exception("cbcore generation loop crashed")
@@ -447,6 +450,16 @@ class ContinuousBatchingManager:
             self._end_all(f"the generation loop crashed: {type(error).__name__}: {error}")
         finally:
             self.output_router.wake_all()
+
+    def _notice_weight_changes(self) -> None:
+        """Before each step: if any parameter changed in place since the last step (an update inside `pause()`, an
+        optimizer step between two sessions of a kept manager), K/V cached for the old weights must not be shared
+        with new requests, so the prefix cache is invalidated. Reading ~one counter per parameter costs microseconds."""
+        signature = hash(tuple((id(p), p._version) for p in self.model.parameters()))
+        if self._weights_signature is not None and signature != self._weights_signature:
+            dropped = self.cache.invalidate_prefixes()
+            logger.info(f"cbcore: the model's weights changed; {dropped} cached prefix blocks will not be shared")
+        self._weights_signature = signature
 
     def _park_while_paused(self) -> None:
         """Between two steps: while anyone holds the pause, stay parked (and say so)."""

@@ -11,7 +11,7 @@ import torch
 import cbcore
 from cbcore.attention import paged_step
 from cbcore.linear import PACKED_LINEAR_ENV, PackedLinears, packing_available
-from tests.conftest import collect_outputs, greedy_config, random_prompts, reference_tokens, run_engine, tiny_model
+from tests.conftest import assert_engine_clean, collect_outputs, greedy_config, random_prompts, reference_tokens, run_engine, tiny_model
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear ops")
 
@@ -67,10 +67,11 @@ def test_weights_changed_in_place_during_a_pause_are_repacked() -> None:
         with manager.pause(), torch.no_grad():
             for module in _linears(model):
                 module.weight.mul_(-1.5)  # in place, as an optimizer step would
-        outputs = collect_outputs(manager, manager.add_requests(new_prompts))
+        request_ids = manager.add_requests(new_prompts)
+        outputs = collect_outputs(manager, request_ids)
     finally:
         manager.stop(block=True, timeout=60)
-    got = [out.generated_tokens for out in outputs.values()]
+    got = [outputs[rid].generated_tokens for rid in request_ids]
     assert got == [reference_tokens(model, p, greedy_config(6)) for p in new_prompts]
 
 
@@ -84,3 +85,28 @@ def test_packing_can_be_turned_off_and_a_bad_value_raises(monkeypatch) -> None:
     monkeypatch.setenv(PACKED_LINEAR_ENV, "maybe")
     with pytest.raises(ValueError, match=PACKED_LINEAR_ENV):
         PackedLinears.attach(model)
+
+
+@pytest.mark.parametrize("offload", [0, None])  # without and with the host tier
+def test_prefix_cache_is_not_shared_across_a_weight_change(offload) -> None:
+    """The same prompts after an in-place update inside a pause must be computed with the new weights, not served
+    from K/V cached (on the device or in the host tier) under the old ones."""
+    model = copy.deepcopy(tiny_model("llama_gqa"))
+    prompts = random_prompts([21, 26, 30], seed=11)
+    config = cbcore.ContinuousBatchingConfig(page_size=4, cpu_offload_space=offload)
+    manager = cbcore.ContinuousBatchingManager(model, greedy_config(5), config)
+    manager.start()
+    try:
+        collect_outputs(manager, manager.add_requests(prompts))
+        before = manager.stats()["prefix_hit_tokens"]
+        with manager.pause(), torch.no_grad():
+            model.model.layers[0].mlp.down_proj.weight.mul_(3.0)  # one in-place update is enough
+        request_ids = manager.add_requests(prompts)
+        outputs = collect_outputs(manager, request_ids)
+        after = manager.stats()["prefix_hit_tokens"]
+    finally:
+        manager.stop(block=True, timeout=60)
+    assert_engine_clean(manager)
+    assert after == before, "a prefix cached under the old weights was shared"
+    got = [outputs[rid].generated_tokens for rid in request_ids]
+    assert got == [reference_tokens(model, p, greedy_config(5)) for p in prompts]
