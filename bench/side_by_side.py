@@ -30,6 +30,7 @@ from pathlib import Path
 import psutil
 
 from bench import report
+from bench.machine import cpu_model
 from bench.workloads import Workload, build_workload, model_folder
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -133,16 +134,8 @@ def machine_facts() -> dict:
     import torch
     import transformers
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "gpu": None,

@@ -25,12 +25,12 @@ default test paths) and keep the JSON; the module also writes bench/results/kern
 from __future__ import annotations
 
 import os
-import platform
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+
+from bench.machine import cpu_model
 
 from cbcore import ops
 
@@ -140,13 +140,7 @@ def test_machine_memory_bandwidth(benchmark, operation) -> None:
 
 
 def hardware() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
+    model = cpu_model()
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     return (f"{model}, {os.cpu_count()} cores, {THREADS} torch threads, kernels: {ops.available_backends()['cpu']}; "
             f"load average at the end of the run {load} (other work on the machine shows up as noise)")

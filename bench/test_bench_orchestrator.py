@@ -41,6 +41,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.machine import cpu_model
+
 from cbcore._C import BlockAllocator
 from cbcore.cache import CacheShape, PagedKVCache
 from cbcore.requests import RequestState, RequestStatus
@@ -305,13 +307,7 @@ def test_match_cached_chains_then_free(benchmark) -> None:
 
 
 def hardware() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
+    model = cpu_model()
     return f"{model}, {os.cpu_count()} cores, Python {platform.python_version()} (single-threaded: no torch ops run)"
 
 

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from cbcore.cli import DEFAULT_PROMPTS
+
 RANDOM_LLAMA = dict(
     vocab_size=8192,
     hidden_size=512,
@@ -33,17 +35,9 @@ RANDOM_LLAMA = dict(
 RANDOM_LLAMA_SEED = 0
 RANDOM_LLAMA_NAME = "random-llama-32m"
 
-# 32 short chat prompts for W4: questions, tasks and rewrites of varied length, so that answers end at EOS at
-# different points.
-CHAT_PROMPTS = (
-    "What is 2+2?",
-    "What is the capital of France?",
-    "Write a Python function that reverses a string.",
-    "Give me three tips for getting better sleep.",
-    "Explain in one paragraph what a hash table is.",
-    "Translate 'Good morning, how are you?' into Spanish.",
-    "Write a haiku about the sea.",
-    "Summarize the plot of Romeo and Juliet in two sentences.",
+# 32 short chat prompts for W4: the CLI's 8 built-in ones, then questions, tasks and rewrites of varied length, so
+# that answers end at EOS at different points.
+CHAT_PROMPTS = DEFAULT_PROMPTS + (
     "Why is the sky blue?",
     "List five fruits that are red.",
     "How many days are there in a leap year?",
