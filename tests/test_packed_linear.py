@@ -87,7 +87,7 @@ def test_packing_can_be_turned_off_and_a_bad_value_raises(monkeypatch) -> None:
         PackedLinears.attach(model)
 
 
-@pytest.mark.parametrize("offload", [0, None])  # without and with the host tier
+@pytest.mark.parametrize("offload", [0, 0.01])  # without and with a host pool (10 MiB), so the host tier too
 def test_prefix_cache_is_not_shared_across_a_weight_change(offload) -> None:
     """The same prompts after an in-place update inside a pause must be computed with the new weights, not served
     from K/V cached (on the device or in the host tier) under the old ones."""
