@@ -182,6 +182,7 @@ def _peak_rss_bytes() -> int | None:
 
 
 def main(argv: list[str]) -> int:
+    """`SPEC.json OUT.json`: run the peer the spec names and write its raw result."""
     spec_path, out_path = argv
     spec = json.loads(Path(spec_path).read_text())
     result = run_peer(spec)

@@ -173,4 +173,5 @@ def write_summary(folder: Path) -> Path:
 
 
 def report_definitions() -> str:
+    """The metric definitions (this module's docstring) as a Markdown code block."""
     return "Definitions:\n\n```\n" + __doc__.split("Definitions", 1)[1].strip() + "\n```"

@@ -146,6 +146,7 @@ def machine_facts() -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `python -m cbcore bench` command line."""
     parser = argparse.ArgumentParser(prog="python -m cbcore bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", choices=("W1", "W2", "W3", "W4"), required=True)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -165,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run every asked peer on the workload, print the table, write the record, chart and summary; 1 if a peer failed."""
     args = build_parser().parse_args(argv)
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     unknown = sorted(set(peers) - set(ALL_PEERS))

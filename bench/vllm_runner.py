@@ -23,6 +23,7 @@ from pathlib import Path
 
 
 def run(request: dict) -> dict:
+    """Build the engine, warm it up, run the request's prompts and return the raw result (format above)."""
     from vllm import EngineArgs, LLMEngine, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -86,6 +87,7 @@ def run(request: dict) -> dict:
 
 
 def main(argv: list[str]) -> int:
+    """`REQUEST.json OUT.json`."""
     request_path, out_path = argv
     result = run(json.loads(Path(request_path).read_text()))
     Path(out_path).write_text(json.dumps(result))
