@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
+import sys
 import time
 from pathlib import Path
 
@@ -25,20 +25,12 @@ import torch
 from transformers import ContinuousBatchingConfig as TransformersCBConfig
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-import cbcore
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: make `bench` importable
+
+import cbcore  # noqa: E402
+from bench.machine import cpu_model  # noqa: E402
 
 PAGE = 16
-
-
-def cpu_model() -> str:
-    """The CPU's model name (Linux), else what platform knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def build_model() -> LlamaForCausalLM:
