@@ -12,6 +12,8 @@ What cbcore adds:
 
 from __future__ import annotations
 
+import math
+
 import torch
 from transformers.generation.configuration_utils import ContinuousBatchingConfig as _TransformersCBConfig
 
@@ -41,9 +43,9 @@ class ContinuousBatchingConfig(_TransformersCBConfig):
             request's real history), so there is nothing to drop; accepted for compatibility.
         auto_switch_to_flash, disable_nccl_graph_mixing, cpu_group_timeout: accepted; cbcore always runs its own paged
             attention in a single process, so they have no effect.
-        use_cuda_graph, q/kv_padding_interval_size, varlen/decode_compile_config, default_compile_level,
-            use_async_batching: not supported yet; asking for them raises
-            NotImplementedError (see `check_supported`) rather than being ignored.
+        q/kv_padding_interval_size: they only shape CUDA graphs; accepted (and unused) while graphs are off.
+        use_cuda_graph, varlen/decode_compile_config, default_compile_level, use_async_batching: not supported yet;
+            asking for them raises NotImplementedError (see `check_supported`) rather than being ignored.
     """
 
     def __post_init__(self) -> None:
@@ -51,7 +53,10 @@ class ContinuousBatchingConfig(_TransformersCBConfig):
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError for out-of-range values, naming the field and the accepted range."""
+        """Raise TypeError / ValueError for a field of the wrong type or out of range, naming the field and what it
+        accepts (a string or a float in `page_size`, say, used to surface as an unnamed error deep in the engine)."""
+        for name, kind, optional in _FIELD_TYPES:
+            _check_type(name, getattr(self, name), kind, optional)
         _check(self.page_size >= MIN_PAGE_SIZE, f"page_size must be at least {MIN_PAGE_SIZE}, got {self.page_size}")
         _check_optional_positive("num_blocks", self.num_blocks)
         _check_optional_positive("max_batch_tokens", self.max_batch_tokens)
@@ -81,15 +86,30 @@ class ContinuousBatchingConfig(_TransformersCBConfig):
             self.default_compile_level in (0, 1, 2, 3),
             f"default_compile_level must be 0..3, got {self.default_compile_level}",
         )
+        if self.seed is not None:
+            _check(0 <= self.seed < 2**64, f"seed must be in [0, 2**64) (torch.Generator.manual_seed), got {self.seed}")
+        for name in ("q_padding_interval_size", "kv_padding_interval_size"):
+            _check(getattr(self, name) >= 0, f"{name} must be >= 0 (0 = transformers' default), got {getattr(self, name)}")
+        if self.cpu_group_timeout is not None:
+            _check(self.cpu_group_timeout > 0, f"cpu_group_timeout must be > 0 seconds, got {self.cpu_group_timeout}")
+        graphs = self.use_cuda_graph
+        if isinstance(graphs, tuple):
+            _check(
+                len(graphs) == 2 and all(isinstance(flag, bool) for flag in graphs),
+                f"use_cuda_graph must be a bool or a pair of bools (varlen, decode), got {graphs!r}",
+            )
+        elif graphs is not None and not isinstance(graphs, bool):
+            raise TypeError(f"use_cuda_graph must be None, a bool or a pair of bools, got {graphs!r}")
 
     def check_supported(self, device: torch.device) -> None:
         """Raise NotImplementedError for a field set to something cbcore cannot do (yet) on `device`."""
-        wants_graphs = any(self.cuda_graph_booleans) or self.q_padding_interval_size or self.kv_padding_interval_size
-        if wants_graphs:
+        # The padding intervals only shape CUDA graphs: with graphs off they change nothing, and transformers accepts
+        # them then too.
+        if any(self.cuda_graph_booleans):
             where = "on the CPU" if device.type != "cuda" else "yet"
             raise NotImplementedError(
-                f"CUDA graphs (use_cuda_graph / *_padding_interval_size) are not supported {where}; "
-                "leave use_cuda_graph=None and the padding intervals at 0"
+                f"CUDA graphs (use_cuda_graph={self.use_cuda_graph!r}) are not supported {where}; leave use_cuda_graph "
+                "None or False"
             )
         compile_asked = self.varlen_compile_config or self.decode_compile_config or self.default_compile_level
         if compile_asked:
@@ -110,6 +130,54 @@ def as_cbcore_config(config: _TransformersCBConfig | None) -> ContinuousBatching
     for deprecated in ("use_default_compile_configs", "max_cached_graphs", "block_size"):
         fields[deprecated] = None
     return ContinuousBatchingConfig(**fields)
+
+
+# Every plain field and its type ("int": a Python int, never a bool or a float; "float": an int or a finite float;
+# "bool": True or False), and whether None is allowed. Compile configs and use_cuda_graph are checked on their own.
+_FIELD_TYPES = (
+    ("page_size", "int", False),
+    ("num_blocks", "int", True),
+    ("max_batch_tokens", "int", True),
+    ("max_memory_percent", "float", True),
+    ("max_requests_per_batch", "int", True),
+    ("max_blocks_per_request", "int", True),
+    ("allow_block_sharing", "bool", False),
+    ("use_async_batching", "bool", True),
+    ("q_padding_interval_size", "int", False),
+    ("kv_padding_interval_size", "int", False),
+    ("default_compile_level", "int", False),
+    ("scheduler_type", "str", False),
+    ("safety_margin", "float", True),
+    ("return_logprobs", "bool", False),
+    ("seed", "int", True),
+    ("auto_switch_to_flash", "bool", False),
+    ("cpu_offload_space", "float", True),
+    ("cpu_offload_space_safety_threshold", "float", False),
+    ("max_queue_size", "int", False),
+    ("per_request_processors", "bool", False),
+    ("drop_unsupported_processors", "bool", False),
+    ("disable_nccl_graph_mixing", "bool", False),
+    ("cpu_group_timeout", "float", True),
+)
+_KIND_WORDS = {"int": "an int", "float": "a number", "bool": "True or False", "str": "a str"}
+
+
+def _check_type(name: str, value: object, kind: str, optional: bool) -> None:
+    if value is None:
+        if optional:
+            return
+        raise TypeError(f"{name} must be {_KIND_WORDS[kind]}, got None")
+    if kind == "bool":
+        ok = isinstance(value, bool)
+    elif kind == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind == "float":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        allowed = _KIND_WORDS[kind] + (" or None" if optional else "")
+        raise TypeError(f"{name} must be {allowed}, got {value!r} ({type(value).__name__})")
 
 
 def _check(condition: bool, message: str) -> None:

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
+from . import request_inputs
 from .config import ContinuousBatchingConfig
 from .manager import ContinuousBatchingManager
 from .requests import GenerationOutput
@@ -37,8 +38,9 @@ class ContinuousMixin:
         """A manager for this model (the cached one if `persistent_manager` kept one). Not started yet."""
         cached = getattr(self, "_cached_continuous_batching_manager", None)
         if isinstance(cached, ContinuousBatchingManager):
-            cached.switch_to_cb_friendly_attn(self)
-            return cached
+            if not cached._destroyed:
+                return cached  # its start() switches the attention again
+            del self._cached_continuous_batching_manager
         gen_config = generation_config if generation_config is not None else self.generation_config
         if gen_config is None:
             raise ValueError("A GenerationConfig must be provided or set in the model.")
@@ -64,7 +66,9 @@ class ContinuousMixin:
         warmup: bool = True,
         workload_hints: WorkloadHints | None = None,
     ) -> Generator[ContinuousBatchingManager]:
-        """A started manager for the `with` block; stopped (and destroyed unless `persistent_manager`) on exit."""
+        """A started manager for the `with` block; stopped (and destroyed unless `persistent_manager`) on exit. With
+        `block=False` the exit does not wait: the loop finishes the requests in flight with cbcore's attention, then
+        hands the model back and releases the cache by itself."""
         manager = self.init_continuous_batching(generation_config, continuous_batching_config, workload_hints)
         if warmup and not manager.warmed_up:
             manager.warmup()
@@ -93,11 +97,14 @@ class ContinuousMixin:
         `max_new_tokens` may be passed as a keyword, as in transformers; any other keyword raises a TypeError
         (transformers silently ignores them).
         """
-        if not inputs:
-            return {}
         max_new_tokens = kwargs.pop("max_new_tokens", None)
         if kwargs:
             raise TypeError(f"generate_batch got unexpected keyword arguments {sorted(kwargs)}")
+        # Checked before any manager is built: a None or a string among the prompts is named by its index.
+        inputs = request_inputs.batch_of_token_ids(inputs)
+        max_new_tokens = request_inputs.max_new_tokens(max_new_tokens, "generate_batch: max_new_tokens")
+        if not inputs:
+            return {}
         gen_config = self.generation_config if generation_config is None else generation_config
         max_new_tokens = gen_config.max_new_tokens if max_new_tokens is None else max_new_tokens
         hints = WorkloadHints(

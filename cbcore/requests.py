@@ -60,6 +60,11 @@ class GenerationOutput:
         return self.status >= RequestStatus.FINISHED
 
 
+def child_request_id(parent_id: str, index: int) -> str:
+    """The id of a parent's `index`-th child for `num_return_sequences`, as transformers names it."""
+    return f"{parent_id}__child#{index}"
+
+
 # Stand-in for "no limit" so that the hot path compares ints instead of checking for None (as transformers does).
 NO_TOKEN_LIMIT = 2**31 - 1
 
@@ -114,6 +119,10 @@ class RequestState:
     # Set of EOS ids (transformers ignores negative ids).
     eos_token_ids: frozenset[int] = frozenset()
     new_tokens_limit: int = NO_TOKEN_LIMIT
+    # Set by `cancel_request` (under the manager's request lock) while the request is queued and not yet taken in.
+    cancel_requested: bool = False
+    # Indices of children (num_return_sequences) cancelled before their fork: they are never forked.
+    cancelled_children: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.all_tokens = list(self.initial_tokens)

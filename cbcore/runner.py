@@ -109,5 +109,6 @@ class ModelRunner:
             [item.state.all_tokens for item in emitted],
             [len(item.state.initial_tokens) for item in emitted],
             [item.state.logit_processor_kwargs for item in emitted],
+            [item.state.max_new_tokens for item in emitted],
         )
         return StepResult(emitted, tokens, logprobs)

@@ -18,8 +18,8 @@ from collections.abc import Callable
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
-# (prompt_length, per-request overrides) -> the processors model.generate would use.
-ProcessorFactory = Callable[[int, dict], LogitsProcessorList]
+# (prompt_length, max_new_tokens, per-request overrides) -> the processors model.generate would use for that call.
+ProcessorFactory = Callable[[int, "int | None", dict], LogitsProcessorList]
 
 # transformers' per-request kwargs and their types (cb_logits_processors.py), and the ones it accepts and ignores.
 PER_REQUEST_KWARGS: dict[str, type] = {"temperature": float, "top_k": int, "top_p": float}
@@ -37,45 +37,29 @@ class Sampler:
         seed: int | None = None,
         per_request_processors: bool = False,
     ) -> None:
-        """`processor_factory(prompt_length, overrides)` builds the processors `model.generate` would use."""
+        """`processor_factory(prompt_length, max_new_tokens, overrides)` builds the processors `model.generate` would
+        use for that prompt and length. Per-request kwargs are checked by `request_inputs.processor_kwargs` when the
+        request is added."""
         self.do_sample = bool(generation_config.do_sample)
         self.return_logprobs = return_logprobs
         self.per_request_processors = per_request_processors
         self._processor_factory = processor_factory
         self._processors: dict[tuple, LogitsProcessorList] = {}
-        self.has_processors = len(processor_factory(1, {})) > 0
+        self.has_processors = len(processor_factory(1, None, {})) > 0
         self.generator = torch.Generator()
         if seed is not None:
             self.generator.manual_seed(seed)
         else:
             self.generator.seed()
 
-    def check_kwargs(self, kwargs: dict) -> str | None:
-        """Why a request's processor kwargs cannot be honoured, or None when they are fine."""
-        if not kwargs:
-            return None
-        if not self.per_request_processors:
-            return (
-                f"logits-processor kwargs {sorted(kwargs)} need per_request_processors=True in the "
-                "ContinuousBatchingConfig"
-            )
-        unknown = sorted(set(kwargs) - set(PER_REQUEST_KWARGS) - set(IGNORED_KWARGS))
-        if unknown:
-            return f"unknown logits-processor kwargs {unknown}; supported: {sorted(PER_REQUEST_KWARGS)}"
-        for key, expected in PER_REQUEST_KWARGS.items():
-            if key in kwargs and not isinstance(kwargs[key], expected):
-                return f"logits-processor kwarg {key!r} has type {type(kwargs[key]).__name__}, expected {expected.__name__}"
-        if not self.do_sample and any(key in kwargs for key in PER_REQUEST_KWARGS):
-            return "per-request temperature/top_k/top_p need do_sample=True in the GenerationConfig"
-        return None
-
-    def processors_for(self, prompt_length: int, kwargs: dict) -> LogitsProcessorList:
-        """The processors for a prompt of this length and these per-request values (built once per combination)."""
+    def processors_for(self, prompt_length: int, max_new_tokens: int | None, kwargs: dict) -> LogitsProcessorList:
+        """The processors for a prompt of this length, this many new tokens (length-dependent processors such as a
+        forced EOS count from it) and these per-request values; built once per combination."""
         overrides = {k: v for k, v in kwargs.items() if k in PER_REQUEST_KWARGS}
-        key = (prompt_length, tuple(sorted(overrides.items())))
+        key = (prompt_length, max_new_tokens, tuple(sorted(overrides.items())))
         processors = self._processors.get(key)
         if processors is None:
-            processors = self._processor_factory(prompt_length, overrides)
+            processors = self._processor_factory(prompt_length, max_new_tokens, overrides)
             self._processors[key] = processors
         return processors
 
@@ -85,15 +69,18 @@ class Sampler:
         histories: list[list[int]],
         prompt_lengths: list[int],
         request_kwargs: list[dict] | None = None,
+        max_new_tokens: list[int | None] | None = None,
     ) -> tuple[list[int], list[float] | None]:
         """Pick one token per row of `logits` `[rows, vocab]`; `histories[i]` is row i's prompt + generated tokens,
-        `prompt_lengths[i]` its prompt's length and `request_kwargs[i]` its per-request processor kwargs."""
+        `prompt_lengths[i]` its prompt's length, `request_kwargs[i]` its per-request processor kwargs and
+        `max_new_tokens[i]` its token limit."""
         scores = logits.float()
         kwargs_per_row = request_kwargs or [{}] * len(histories)
+        limits = max_new_tokens or [None] * len(histories)
         if self.has_processors or any(kwargs_per_row):
             rows = []
             for row, (history, prompt_length, kwargs) in enumerate(zip(histories, prompt_lengths, kwargs_per_row)):
-                processors = self.processors_for(prompt_length, kwargs)
+                processors = self.processors_for(prompt_length, limits[row], kwargs)
                 if len(processors):
                     input_ids = torch.tensor([history], dtype=torch.long, device=scores.device)
                     rows.append(processors(input_ids, scores[row : row + 1]))

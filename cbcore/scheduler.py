@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .cache import PagedKVCache
-from .requests import RequestState, RequestStatus
+from .requests import RequestState, RequestStatus, child_request_id
 
 
 @dataclass
@@ -260,11 +260,14 @@ class Scheduler:
             self._preempt(victim, batch)
         position = self.running.index(parent) + 1
         for index in range(parent.num_children):
-            child = parent.fork_child(f"{parent.request_id}__child#{index}")
+            if index in parent.cancelled_children:  # cancelled before its fork; it already has its output
+                continue
+            child = parent.fork_child(child_request_id(parent.request_id, index))
             self.cache.fork(parent, child)
             child.admission_order = self._admissions
             self._admissions += 1
-            self.running.insert(position + index, child)
+            self.running.insert(position, child)
+            position += 1
             batch.forked.append(child)
         parent.num_children = 0
 

@@ -54,7 +54,7 @@ def test_out_of_range_values_raise_a_value_error_naming_the_field(kwargs: dict, 
     "kwargs",
     [
         {"use_cuda_graph": True},
-        {"q_padding_interval_size": 64},
+        {"use_cuda_graph": (False, True)},
         {"default_compile_level": 1},
         {"use_async_batching": True},
     ],
@@ -62,6 +62,13 @@ def test_out_of_range_values_raise_a_value_error_naming_the_field(kwargs: dict, 
 def test_unsupported_options_raise_instead_of_being_ignored(kwargs: dict) -> None:
     with pytest.raises(NotImplementedError):
         cbcore.ContinuousBatchingManager(tiny_model("llama_gqa"), greedy_config(4), cbcore.ContinuousBatchingConfig(**kwargs))
+
+
+def test_padding_intervals_are_accepted_while_cuda_graphs_are_off() -> None:
+    """They only shape CUDA graphs; transformers accepts them with graphs off, and so does cbcore."""
+    config = cbcore.ContinuousBatchingConfig(q_padding_interval_size=64, kv_padding_interval_size=256)
+    manager = cbcore.ContinuousBatchingManager(tiny_model("llama_gqa"), greedy_config(4), config)
+    manager.destroy()
 
 
 def test_a_transformers_config_is_accepted_and_not_mutated() -> None:

@@ -346,17 +346,19 @@ def test_sampled_children_differ_and_reproduce_with_a_seed() -> None:
 # ---- per-request processors --------------------------------------------------------------------------------------
 
 
-def test_per_request_top_k_one_equals_greedy_and_bad_kwargs_fail_alone() -> None:
+def test_per_request_top_k_one_equals_greedy_and_bad_kwargs_raise_in_add_request() -> None:
     model = tiny_model("llama_gqa")
     config = GenerationConfig(max_new_tokens=6, do_sample=True, temperature=1.4, eos_token_id=None, pad_token_id=0)
     prompt = random_prompts([8], seed=59)[0]
     manager = started(model, config, page_size=4, per_request_processors=True, seed=3)
     try:
+        with pytest.raises(TypeError, match="top_k must be an int"):
+            manager.add_request(prompt, top_k="1")
+        with pytest.raises(TypeError, match="tmperature"):
+            manager.add_request(prompt, tmperature=0.3)
         ids = [
             manager.add_request(prompt, top_k=1),
             manager.add_request(prompt, top_k=1, temperature=0.5, top_p=0.9),
-            manager.add_request(prompt, top_k="1"),
-            manager.add_request(prompt, tmperature=0.3),
         ]
         outputs = collect_outputs(manager, ids)
     finally:
@@ -364,17 +366,17 @@ def test_per_request_top_k_one_equals_greedy_and_bad_kwargs_fail_alone() -> None
     want = reference_tokens(model, prompt, greedy_config(6))
     assert outputs[ids[0]].generated_tokens == want
     assert outputs[ids[1]].generated_tokens == want
-    assert outputs[ids[2]].status == cbcore.RequestStatus.FAILED and "'top_k' has type str" in outputs[ids[2]].error
-    assert outputs[ids[3]].status == cbcore.RequestStatus.FAILED and "tmperature" in outputs[ids[3]].error
+    assert ids == ["req_0", "req_1"]  # the refused calls took no id
+    assert_engine_clean(manager)
 
 
-def test_processor_kwargs_without_per_request_processors_fail_with_advice() -> None:
+def test_processor_kwargs_without_per_request_processors_raise_with_advice() -> None:
     manager = started(tiny_model("qwen2"), greedy_config(3), page_size=4)
     try:
-        output = collect_outputs(manager, [manager.add_request([1, 2], temperature=0.7)])["req_0"]
+        with pytest.raises(ValueError, match="per_request_processors=True"):
+            manager.add_request([1, 2], temperature=0.7)
     finally:
         manager.stop()
-    assert output.status == cbcore.RequestStatus.FAILED and "per_request_processors=True" in output.error
 
 
 def test_model_inference_mode_of_the_caller_is_used_by_the_loop() -> None:

@@ -34,49 +34,46 @@ def serve(model, requests: list[dict], config: cbcore.ContinuousBatchingConfig, 
     return ids, outputs, manager
 
 
-def test_invalid_requests_fail_alone_with_a_message_naming_the_problem() -> None:
+def test_invalid_prompts_fail_alone_with_a_message_naming_the_problem() -> None:
     model = tiny_model("llama_gqa")
     good = random_prompts([5, 12], seed=2)
     requests = [
         {"input_ids": good[0]},
         {"input_ids": []},
         {"input_ids": [1, 2, VOCAB + 3]},
-        {"input_ids": good[1], "request_id": "twice"},
-        {"input_ids": good[0], "request_id": "twice"},
-        {"input_ids": good[1], "max_new_tokens": 0},
-        {"input_ids": good[1], "no_such_processor_kwarg": 3},
+        {"input_ids": [1, -2, 3]},
         {"input_ids": good[1]},
     ]
     config = cbcore.ContinuousBatchingConfig(page_size=4, num_blocks=32)
-    manager = cbcore.ContinuousBatchingManager(model, greedy_config(6), config)
-    manager.start()
-    try:
-        ids = [manager.add_request(**request) for request in requests]
-        # "twice" is used twice: read every terminal output, the duplicate's included.
-        finals = []
-        while len(finals) < len(requests):
-            output = manager.get_result(timeout=30)
-            assert output is not None
-            if output.is_finished():
-                finals.append(output)
-    finally:
-        manager.stop()
-    assert_engine_clean(manager)
-    by_id: dict[str, list] = {}
-    for output in finals:
-        by_id.setdefault(output.request_id, []).append(output)
-    failed = {rid: outs[0].error for rid, outs in by_id.items() if outs[0].status == cbcore.RequestStatus.FAILED}
+    ids, outputs, _ = serve(model, requests, config)
+    failed = {rid: out.error for rid, out in outputs.items() if out.status == cbcore.RequestStatus.FAILED}
+    assert set(failed) == {ids[1], ids[2], ids[3]}
     assert "empty prompt" in failed[ids[1]] and ids[1] in failed[ids[1]]
     assert f"token id {VOCAB + 3}" in failed[ids[2]] and "vocabulary" in failed[ids[2]]
-    assert "max_new_tokens" in failed[ids[5]]
-    assert "no_such_processor_kwarg" in failed[ids[6]]
-    twice = sorted(by_id["twice"], key=lambda out: out.status)
-    assert [out.status for out in twice] == [cbcore.RequestStatus.FINISHED, cbcore.RequestStatus.FAILED]
-    assert "duplicate request id" in twice[1].error
-    for index in (0, 7):
-        output = by_id[ids[index]][0]
+    assert "token id -2" in failed[ids[3]]
+    for index in (0, 4):
+        output = outputs[ids[index]]
         assert output.status == cbcore.RequestStatus.FINISHED
         assert output.generated_tokens == reference_tokens(model, requests[index]["input_ids"], greedy_config(6))
+
+
+def test_malformed_arguments_raise_in_add_request_naming_the_argument() -> None:
+    model = tiny_model("llama_gqa")
+    manager = cbcore.ContinuousBatchingManager(model, greedy_config(4), cbcore.ContinuousBatchingConfig(page_size=4))
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        manager.add_request([1, 2], max_new_tokens=0)
+    with pytest.raises(ValueError, match=r"request k: logits-processor kwargs \['no_such_processor_kwarg'\]"):
+        manager.add_request([1, 2], request_id="k", no_such_processor_kwarg=3)
+    manager.add_request([1, 2], request_id="twice")
+    with pytest.raises(ValueError, match="request twice: duplicate request id"):
+        manager.add_request([3, 4], request_id="twice")
+    manager.start()
+    try:
+        outputs = collect_outputs(manager, ["twice"])
+    finally:
+        manager.stop()
+    assert outputs["twice"].prompt_ids == [1, 2]
+    assert_engine_clean(manager)
 
 
 def test_request_that_can_never_fit_fails_alone_and_says_what_to_change() -> None:

@@ -1,0 +1,171 @@
+"""Checking and normalising the arguments of `add_request` / `add_requests` / `generate_batch`, on the caller's thread.
+
+What can be checked without the engine is checked here, before anything is queued, and raised at once with the
+argument named: `TypeError` for a wrong type, `ValueError` for a value out of range. The loop thread then only sees
+plain Python ints and lists, so nothing it reads can raise an incidental error there (a string in `max_new_tokens`
+used to crash the whole loop).
+
+Accepted, as `model.generate` accepts them:
+- token ids: a list/tuple of ints (numpy integers and 0-d integer tensors included), or a 1-D integer tensor or
+  numpy array; for a batch, a list of those or a 2-D integer tensor / array;
+- `max_new_tokens`: an int >= 1 (or None for the generation config's);
+- `eos_token_id`: an int, a list of ints, or an integer tensor (or None for the default).
+
+What depends on the engine (the prompt against the cache's capacity or the model's position table) and what is the
+prompt's own content (empty, ids outside the vocabulary) is checked by the loop and fails that request alone with a
+FAILED output: those are per-prompt problems, so one bad prompt in a `generate_batch` does not stop the others.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from typing import Any
+
+import torch
+
+from .sampling import IGNORED_KWARGS, PER_REQUEST_KWARGS
+
+
+def _is_integer_array(value: Any) -> bool:
+    """A numpy array without importing numpy (it is only an optional input type)."""
+    return type(value).__module__ == "numpy" and hasattr(value, "dtype") and hasattr(value, "ndim")
+
+
+def _as_int(value: Any) -> int | None:
+    """`value` as a Python int when it is an integer (int, numpy integer, 0-d integer tensor; never a bool), else
+    None."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.ndim != 0 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            return None
+        return int(value.item())
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def token_ids(value: Any, what: str) -> list[int]:
+    """One prompt as a list of Python ints; TypeError naming `what` (e.g. "request req_3: input_ids") otherwise.
+    Range checks (empty, vocabulary) are the loop's: they fail the request alone."""
+    if isinstance(value, torch.Tensor) or _is_integer_array(value):
+        kind = "tensor" if isinstance(value, torch.Tensor) else "array"
+        if value.ndim != 1:
+            raise TypeError(
+                f"{what} must be a 1-D {kind} of token ids, got {value.ndim}-D with shape {tuple(value.shape)}"
+                + ("; for a batch of prompts use add_requests / generate_batch" if value.ndim == 2 else "")
+            )
+        dtype = str(value.dtype)
+        if "int" not in dtype or "bool" in dtype:
+            raise TypeError(f"{what} must hold integer token ids, got a {kind} of dtype {dtype}")
+        return [int(t) for t in value.tolist()]
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{what} is a {type(value).__name__}: tokenize the text first (cbcore takes token ids)")
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{what} must be a list of token ids (ints) or a 1-D integer tensor, got {type(value).__name__}")
+    ids = []
+    for index, token in enumerate(value):
+        as_int = _as_int(token)
+        if as_int is None:
+            raise TypeError(f"{what}[{index}] is {token!r} ({type(token).__name__}); token ids must be ints")
+        ids.append(as_int)
+    return ids
+
+
+def batch_of_token_ids(inputs: Any) -> list[list[int]]:
+    """A batch of prompts (`add_requests`, `generate_batch`) as lists of ints; errors name the prompt's index."""
+    if isinstance(inputs, torch.Tensor) or _is_integer_array(inputs):
+        if inputs.ndim != 2:
+            raise TypeError(f"inputs must be a 2-D tensor/array of token ids for a batch, got {inputs.ndim}-D")
+        return [token_ids(row, f"inputs[{index}]") for index, row in enumerate(inputs)]
+    if isinstance(inputs, (str, bytes)) or not isinstance(inputs, (list, tuple)):
+        raise TypeError(f"inputs must be a list of prompts (each a list of token ids), got {type(inputs).__name__}")
+    if inputs and all(_as_int(item) is not None for item in inputs):
+        raise TypeError(
+            "inputs is a flat list of ints, but a list of prompts is expected: wrap one prompt in a list ([ids])"
+        )
+    return [token_ids(prompt, f"inputs[{index}]") for index, prompt in enumerate(inputs)]
+
+
+def max_new_tokens(value: Any, what: str) -> int | None:
+    """None, or an int >= 1; TypeError / ValueError naming `what` otherwise (2.5, NaN, "5" and 0 are refused)."""
+    if value is None:
+        return None
+    as_int = _as_int(value)
+    if as_int is None:
+        raise TypeError(f"{what} must be an int (or None), got {value!r} ({type(value).__name__})")
+    if as_int < 1:
+        raise ValueError(f"{what} must be >= 1, got {as_int}")
+    return as_int
+
+
+def eos_token_id(value: Any, what: str) -> int | list[int] | None:
+    """None, an int, or a list of ints (an integer tensor becomes one); TypeError naming `what` otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor) or _is_integer_array(value):
+        if value.ndim == 0:
+            as_int = _as_int(value if isinstance(value, torch.Tensor) else value.item())
+            if as_int is None:
+                raise TypeError(f"{what} must hold integer token ids, got dtype {value.dtype}")
+            return as_int
+        return token_ids(value.reshape(-1), what)
+    as_int = _as_int(value)
+    if as_int is not None:
+        return as_int
+    if isinstance(value, (list, tuple)):
+        return token_ids(value, what)
+    raise TypeError(f"{what} must be an int, a list of ints or an integer tensor, got {value!r} ({type(value).__name__})")
+
+
+def request_id(value: Any) -> str | None:
+    """None (an id is generated) or a non-empty str."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"request_id must be a str (or None for an automatic id), got {type(value).__name__}: {value!r}")
+    if not value:
+        raise ValueError("request_id must not be empty")
+    return value
+
+
+def processor_kwargs(kwargs: dict[str, Any], per_request_processors: bool, do_sample: bool, what: str) -> dict[str, Any]:
+    """Per-request logits-processor kwargs, checked as transformers' `check_kwargs` does plus their ranges (a
+    temperature of 0 or NaN, a negative top_k used to fail every request of the step). Returns them normalised
+    (ints for top_k, floats for temperature / top_p)."""
+    if not kwargs:
+        return {}
+    if not per_request_processors:
+        raise ValueError(
+            f"{what}: logits-processor kwargs {sorted(kwargs)} need per_request_processors=True in the "
+            "ContinuousBatchingConfig"
+        )
+    unknown = sorted(set(kwargs) - set(PER_REQUEST_KWARGS) - set(IGNORED_KWARGS))
+    if unknown:
+        raise TypeError(f"{what}: unknown logits-processor kwargs {unknown}; supported: {sorted(PER_REQUEST_KWARGS)}")
+    normalised = dict(kwargs)
+    if "top_k" in kwargs:
+        top_k = _as_int(kwargs["top_k"])
+        if top_k is None:
+            raise TypeError(f"{what}: top_k must be an int, got {kwargs['top_k']!r}")
+        if top_k < 0:
+            raise ValueError(f"{what}: top_k must be >= 0 (0 turns it off), got {top_k}")
+        normalised["top_k"] = top_k
+    for name, low_open, high in (("temperature", True, math.inf), ("top_p", False, 1.0)):
+        if name not in kwargs:
+            continue
+        value = kwargs[name]
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{what}: {name} must be a float, got {value!r} ({type(value).__name__})")
+        value = float(value)
+        in_range = math.isfinite(value) and (value > 0 if low_open else value >= 0) and value <= high
+        if not in_range:
+            allowed = "a finite number > 0" if name == "temperature" else "in [0, 1]"
+            raise ValueError(f"{what}: {name} must be {allowed}, got {value}")
+        normalised[name] = value
+    if not do_sample and any(key in kwargs for key in PER_REQUEST_KWARGS):
+        raise ValueError(f"{what}: per-request temperature/top_k/top_p need do_sample=True in the GenerationConfig")
+    return normalised
