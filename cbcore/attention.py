@@ -9,14 +9,22 @@ and passed through the forward's kwargs (transformers hands unknown kwargs down 
 The mask function registered under the same name returns None during cbcore's steps, so transformers never builds
 an attention mask for them.
 
+Attention kwargs (DESIGN.md §5: nothing is silently ignored). In a step, `sliding_window`, `softcap` (logit
+soft-capping: Gemma-2) and `s_aux` (attention sinks: GPT-OSS) go to the kernels; the kwargs in `IGNORED_KWARGS` are
+known to change nothing about attention (each with the reason); any other kwarg, or a value cbcore cannot honour
+(`is_causal=False`, `output_attentions=True`, dropout > 0), raises an error naming it rather than being dropped.
+
 Outside cbcore's steps (a user's own forward, `model.generate`, a training step while a manager is attached) both
-functions behave exactly like transformers' "sdpa": the model stays usable while cbcore holds it. The runner marks
-its forward with `paged_step()`, a thread-local flag, because transformers calls the mask function without the
-forward's kwargs.
+functions behave exactly like transformers' "sdpa": the model stays usable while cbcore holds it. sdpa cannot honour
+`softcap` (it raises) and ignores `s_aux`; a layer that passes either runs its model's own eager attention instead
+(what such models require in transformers anyway: Gemma-2 and GPT-OSS do not support sdpa). The runner marks its
+forward with `paged_step()`, a thread-local flag, because transformers calls the mask function without the forward's
+kwargs.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,6 +40,30 @@ from . import ops
 
 ATTENTION_NAME = "cbcore_paged"
 STEP_KWARG = "cbcore_step"
+
+# Attention kwargs the kernels take (see cbcore/ops.py): what they mean is implemented by every backend.
+HANDLED_KWARGS = frozenset({"sliding_window", "softcap", "s_aux"})
+
+# Attention kwargs transformers 5.24 models pass (or hand down from the forward's **kwargs) that change nothing about
+# what cbcore's step computes, and why. Found by grepping every `attention_interface(...)` call of transformers'
+# models and running the tiny models of the tests. Anything not here and not handled raises (see check_step_kwargs).
+IGNORED_KWARGS = {
+    "position_ids": "RoPE is applied before attention; the kernels take key positions from the step's block tables",
+    "cache_position": "positions again, as position_ids",
+    "use_cache": "transformers' own KV-cache flag; the runner passes use_cache=False and the pages are the cache",
+    "output_hidden_states": "a flag for the model's outputs, not for attention",
+    "output_router_logits": "a flag for MoE routers (GPT-OSS, Mixtral, ...), not for attention",
+    "return_dict": "a flag for the model's outputs, not for attention",
+    "num_items_in_batch": "loss normalisation for training",
+    "cu_seq_lens_q": "transformers' varlen packing metadata; the step's own StepMetadata describes the packed batch",
+    "cu_seq_lens_k": "transformers' varlen packing metadata (see cu_seq_lens_q)",
+    "max_length_q": "transformers' varlen packing metadata (see cu_seq_lens_q)",
+    "max_length_k": "transformers' varlen packing metadata (see cu_seq_lens_q)",
+    "seq_idx": "sequence index of packed tokens for state-space layers; attention reads StepMetadata",
+    # Accepted only with the values cbcore computes (checked in check_step_kwargs):
+    "is_causal": "None or True: cbcore's attention is causal (bottom-right aligned)",
+    "output_attentions": "None or False: cbcore's kernels return no attention weights",
+}
 
 _in_paged_step = threading.local()
 
@@ -71,6 +103,30 @@ class StepMetadata:
     prefill_seq_lens_k: torch.Tensor
 
 
+def check_step_kwargs(kwargs: dict[str, Any], dropout: float = 0.0) -> None:
+    """Raise ValueError naming any attention kwarg (or value) a cbcore step would otherwise have to drop silently.
+
+    Handled kwargs go to the kernels; `IGNORED_KWARGS` are harmless; a kwarg transformers adds in a later version, or
+    a model-specific one (`position_bias`, sparse-attention `indices`, ...), is refused until the kernels implement it.
+    """
+    unknown = sorted(set(kwargs) - HANDLED_KWARGS - set(IGNORED_KWARGS))
+    if unknown:
+        raise ValueError(
+            f"cbcore's paged attention got attention kwarg(s) {', '.join(map(repr, unknown))} that it does not "
+            "implement; ignoring them would give wrong tokens. This model's attention is not supported by cbcore "
+            f"(handled: {', '.join(sorted(HANDLED_KWARGS))})."
+        )
+    if kwargs.get("is_causal") is False:
+        raise ValueError("cbcore's paged attention got is_causal=False (bidirectional attention); its kernels are "
+                         "causal only")
+    if kwargs.get("output_attentions"):
+        raise ValueError("cbcore's paged attention got output_attentions=True; its kernels return no attention "
+                         "weights")
+    if dropout:
+        raise ValueError(f"cbcore's paged attention got dropout={dropout} (a model in training mode?); its kernels "
+                         "do not drop attention weights. Call model.eval() before serving.")
+
+
 def paged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -83,26 +139,32 @@ def paged_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention signature: query `[1, heads, T, d]`, key/value `[1, kv_heads, T, d]` -> `[1, T, heads, d]`."""
     step: StepMetadata | None = kwargs.pop(STEP_KWARG, None)
-    if step is None:  # not one of cbcore's steps: behave exactly like transformers' sdpa
+    if step is None:  # not one of cbcore's steps: behave like transformers' sdpa, or the model's eager (see above)
+        if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+            return _model_eager_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if attention_mask is not None:
         raise RuntimeError("cbcore's paged attention expects no attention mask; its mask function must return None")
+    check_step_kwargs(kwargs, dropout)
     layer = module.layer_idx
     k_cache, v_cache = step.key_caches[layer], step.value_caches[layer]
     q = query[0].transpose(0, 1)  # [T, heads, d]
     k = key[0].transpose(0, 1)
-    v = value[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)  # [T, kv_heads, v_head_dim]: V's head dim may differ from K's (MLA)
     head_dim = q.shape[-1]
     scale = scaling if scaling is not None else head_dim**-0.5
     window = kwargs.get("sliding_window")
+    softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux")
 
     ops.cache_write(k, v, k_cache, v_cache, step.slot_mapping)
 
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
     num_decode = step.num_decode_tokens
     if num_decode:
         out[:num_decode] = ops.decode_attention(
-            q[:num_decode], k_cache, v_cache, step.decode_block_table, step.decode_seq_lens, scale, window
+            q[:num_decode], k_cache, v_cache, step.decode_block_table, step.decode_seq_lens, scale, window, softcap,
+            sinks,
         )
     if step.num_prefill_requests:
         out[num_decode:] = ops.prefill_attention(
@@ -114,8 +176,48 @@ def paged_attention(
             step.prefill_seq_lens_k,
             scale,
             window,
+            softcap,
+            sinks,
         )
     return out.unsqueeze(0), None
+
+
+def _model_eager_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    dropout: float,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Outside a step, for a layer passing `softcap` or `s_aux`: the model's own `eager_attention_forward` (the
+    function its modeling file defines and uses under "eager"), fed the eager form of the mask sdpa_mask made.
+
+    sdpa_mask gives a boolean mask (True: attend) or None where sdpa may use its own causal flag; eager wants an
+    additive float mask, always. Raises NotImplementedError when the model's module has no eager function.
+    """
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        features = [name for name in ("softcap", "s_aux") if kwargs.get(name) is not None]
+        raise NotImplementedError(
+            f"{type(module).__name__} passes {' and '.join(features)} to its attention, which transformers' sdpa does "
+            "not honour, and its module defines no eager_attention_forward to run instead; outside cbcore's steps "
+            "this model needs its own attention implementation (stop the manager first)"
+        )
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if attention_mask is None:
+        # What sdpa would have done: causal (is_causal=True, top-left aligned) for more than one query, else nothing.
+        causal = kwargs.get("is_causal")
+        causal = getattr(module, "is_causal", True) if causal is None else causal
+        if q_len > 1 and causal:
+            attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()[None, None]
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        min_value = torch.finfo(query.dtype).min  # as transformers' eager_mask
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~attention_mask, min_value)
+    return eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
 def _mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:

@@ -2,7 +2,8 @@
 implementation from the tensors' device, behind the same signature, so the attention function never knows which ran.
 
 Shapes (every implementation takes exactly these flat tensors, nothing else):
-    k_cache, v_cache: [num_blocks, page_size, num_kv_heads, head_dim], one pair per layer
+    k_cache, v_cache: [num_blocks, page_size, num_kv_heads, head_dim], one pair per layer; V's head dim (v_head_dim)
+                      may differ from K's (multi-head latent attention: DeepSeek-V2/V3), and the outputs have V's
     block_table:      [batch, max_blocks] int, the physical blocks of each request in token order (padding: any
                       valid id; entries past a request's length are never read)
     slot_mapping:     [num_tokens] int64, block * page_size + offset of each new token's K/V
@@ -10,6 +11,15 @@ Shapes (every implementation takes exactly these flat tensors, nothing else):
     prefill: q [num_tokens, heads, head_dim] packed, cu_seqlens_q [batch + 1], seq_lens_k [batch]; request i's queries
              are the *last* q_len_i of its seq_lens_k[i] keys (bottom-right aligned causal mask).
 A sliding window w lets query position p see key positions k with p - w < k <= p (transformers' convention).
+
+Attention features (every implementation takes them; the reference is the specification):
+    softcap:  logit soft-capping (Gemma-2, VaultGemma): score = softcap * tanh((q . k * scale) / softcap), before the
+              mask and the softmax, as transformers' gemma2 `eager_attention_forward`. None: off; must be > 0.
+    sinks:    attention sinks (GPT-OSS's `s_aux`): one learned logit per query head `[heads]` that joins the softmax's
+              denominator and carries no value: p_j = e^(s_j) / (sum_k e^(s_k) + e^(sink)), as GPT-OSS's
+              `eager_attention_forward` (concatenate the sink column, softmax, drop it). Not soft-capped, not masked.
+Scores, softmax and the weighted sum run in fp32 in every implementation, whatever the storage dtype (GPT-OSS's eager
+runs its softmax in the model's dtype; in bf16 cbcore is therefore the more accurate of the two).
 
 Dispatch (`CBCORE_KERNELS=auto`, the default):
 
@@ -19,9 +29,11 @@ Dispatch (`CBCORE_KERNELS=auto`, the default):
 | CPU  | C++ (`cbcore._C`) | C++ (`cbcore._C`) | C++ (`cbcore._C`) |
 
 Each falls back to the plain-torch reference below when its module did not build or import, and for inputs it does
-not take: the C++ CPU kernels need fp32/bf16/fp16 caches, q in the cache's dtype and head_dim a multiple of 8; the
-CUDA decode needs head_dim 64/128/256 and a power-of-two page size; CUDA cache_write and Triton prefill take any
-fp32/bf16/fp16 shape (k/v are converted to the cache's dtype first, as the reference does).
+not take (every kernel takes softcap and sinks, so they never cause a fallback): the C++ CPU kernels need fp32/bf16/fp16
+caches, q in the cache's dtype and head dims (K's and V's) multiples of 8; the CUDA decode needs head_dim 64/128/256,
+V's head dim equal to K's and a power-of-two page size; CUDA cache_write takes any fp32/bf16/fp16 shape with K and V
+pages of one shape, Triton prefill any fp32/bf16/fp16 shape (k/v are converted to the cache's dtype first, as the
+reference does).
 
 `CBCORE_KERNELS=reference` runs the references everywhere. `cpu`, `cuda` and `triton` force one backend for the ops it
 implements (cpu: all three on CPU tensors; cuda: cache_write and decode on CUDA tensors; triton: prefill, on CUDA
@@ -106,8 +118,8 @@ def _why_not_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
         return f"cache dtypes {k_cache.dtype}/{v_cache.dtype} (supported: one of float32, bfloat16, float16)"
     if q.dtype != k_cache.dtype:
         return f"q is {q.dtype} but the cache is {k_cache.dtype}"
-    if k_cache.shape[-1] % 8:
-        return f"head_dim {k_cache.shape[-1]} is not a multiple of 8"
+    if k_cache.shape[-1] % 8 or v_cache.shape[-1] % 8:
+        return f"head dims {k_cache.shape[-1]} (K) / {v_cache.shape[-1]} (V) are not multiples of 8"
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return "the caches are not contiguous"
     return None
@@ -138,6 +150,8 @@ def _why_not_cuda_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     head_dim, page_size = k_cache.shape[3], k_cache.shape[1]
     if head_dim not in (64, 128, 256):
         return f"head_dim {head_dim} (supported: 64, 128, 256)"
+    if v_cache.shape[3] != head_dim:
+        return f"V head dim {v_cache.shape[3]} differs from K's {head_dim} (the CUDA kernel needs them equal)"
     if page_size & (page_size - 1):
         return f"page_size {page_size} is not a power of two"
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -151,6 +165,8 @@ def _why_not_cuda_cache_write(k_cache: torch.Tensor, v_cache: torch.Tensor) -> s
         return "cbcore._cuda is not built"
     if k_cache.dtype not in _KERNEL_DTYPES or v_cache.dtype != k_cache.dtype:
         return f"cache dtypes {k_cache.dtype}/{v_cache.dtype} (supported: one of float32, bfloat16, float16)"
+    if v_cache.shape != k_cache.shape:
+        return f"V pages {tuple(v_cache.shape)} differ from K's {tuple(k_cache.shape)} (the CUDA kernel needs one shape)"
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return "the caches are not contiguous"
     return None
@@ -176,6 +192,28 @@ def _forced_failure(mode: str, op: str, why: str) -> RuntimeError:
 
 def _window(sliding_window: int | None) -> int:
     return -1 if sliding_window is None else int(sliding_window)
+
+
+def _softcap(softcap: float | None) -> float:
+    """The kernels' encoding of soft-capping: 0.0 for none. ValueError for a cap that is not a positive number."""
+    if softcap is None:
+        return 0.0
+    value = float(softcap)
+    if not value > 0.0 or value == float("inf"):
+        raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
+    return value
+
+
+def _sinks(sinks: torch.Tensor | None, num_heads: int, device: torch.device) -> torch.Tensor | None:
+    """Sink logits as the kernels read them: fp32, contiguous, `[heads]`, on the queries' device; None for none."""
+    if sinks is None:
+        return None
+    if sinks.dim() != 1 or sinks.shape[0] != num_heads:
+        raise ValueError(f"sinks (s_aux) must be [num_heads={num_heads}], one logit per query head; got "
+                         f"{tuple(sinks.shape)}")
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks (s_aux) must be a floating-point tensor, got {sinks.dtype}")
+    return sinks.detach().to(device=device, dtype=torch.float32).contiguous()
 
 
 def cache_write(
@@ -210,8 +248,14 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query token per request against that request's pages. Returns `[batch, heads, head_dim]`."""
+    """One query token per request against that request's pages. Returns `[batch, heads, head_dim]`.
+
+    softcap, sinks: see the module docstring (None: off)."""
+    cap = _softcap(softcap)
+    sinks = _sinks(sinks, q.shape[1], q.device)
     mode = kernel_mode()
     if mode != "reference":
         if q.is_cuda and mode in ("auto", "cuda"):
@@ -220,7 +264,7 @@ def decode_attention(
                 return _cuda_kernels().decode_attention(
                     _rows(q), k_cache, v_cache, block_table.to(torch.int32).contiguous(),
                     seq_lens.to(torch.int32).contiguous(), scale, _window(sliding_window),
-                    torch.are_deterministic_algorithms_enabled(),
+                    torch.are_deterministic_algorithms_enabled(), cap, sinks,
                 )
             if mode == "cuda":
                 raise _forced_failure(mode, "decode_attention", why)
@@ -228,10 +272,10 @@ def decode_attention(
             why = _why_not_cpu(q, k_cache, v_cache)
             if why is None:
                 return _cpu_kernels().decode_attention(_rows(q), k_cache, v_cache, block_table, seq_lens, scale,
-                                                       _window(sliding_window))
+                                                       _window(sliding_window), cap, sinks)
             if mode == "cpu":
                 raise _forced_failure(mode, "decode_attention", why)
-    return decode_attention_reference(q, k_cache, v_cache, block_table, seq_lens, scale, sliding_window)
+    return decode_attention_reference(q, k_cache, v_cache, block_table, seq_lens, scale, sliding_window, softcap, sinks)
 
 
 def prefill_attention(
@@ -243,26 +287,33 @@ def prefill_attention(
     seq_lens_k: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Packed causal attention: each request's new queries over its cached prefix plus its new keys (already
-    written to the pages). Returns `[num_tokens, heads, head_dim]`."""
+    written to the pages). Returns `[num_tokens, heads, head_dim]`.
+
+    softcap, sinks: see the module docstring (None: off)."""
+    cap = _softcap(softcap)
+    sinks = _sinks(sinks, q.shape[1], q.device)
     mode = kernel_mode()
     if mode != "reference":
         if (q.is_cuda and mode == "auto") or mode == "triton":
             why = _why_not_triton_prefill(q, k_cache, v_cache)
             if why is None:
                 return _triton_prefill()(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale,
-                                         sliding_window)
+                                         sliding_window, softcap, sinks)
             if mode == "triton":
                 raise _forced_failure(mode, "prefill_attention", why)
         elif q.device.type == "cpu" and mode in ("auto", "cpu"):
             why = _why_not_cpu(q, k_cache, v_cache)
             if why is None:
                 return _cpu_kernels().prefill_attention(_rows(q), k_cache, v_cache, block_table, cu_seqlens_q,
-                                                        seq_lens_k, scale, _window(sliding_window))
+                                                        seq_lens_k, scale, _window(sliding_window), cap, sinks)
             if mode == "cpu":
                 raise _forced_failure(mode, "prefill_attention", why)
-    return prefill_attention_reference(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, sliding_window)
+    return prefill_attention_reference(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, sliding_window,
+                                       softcap, sinks)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -273,10 +324,10 @@ def prefill_attention(
 def cache_write_reference(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """index_copy into the flattened `[num_blocks * page_size, kv_heads, head_dim]` view of the pages."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """index_copy into the flattened `[num_blocks * page_size, kv_heads, head_dim]` view of the pages (V's head dim
+    may differ from K's)."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def gather_pages(cache: torch.Tensor, blocks: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -287,6 +338,35 @@ def gather_pages(cache: torch.Tensor, blocks: torch.Tensor, num_tokens: int) -> 
     return pages.reshape(-1, cache.shape[2], cache.shape[3])[:num_tokens]
 
 
+def softmax_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The attention every reference computes, in fp32 (fp64 for fp64 inputs), grouped by kv head.
+
+    query `[B, kv_heads, group, Lq, D]`, keys/values `[B, Lk, kv_heads, D]`, visible `[B, Lq, Lk]` (bool); sinks
+    `[kv_heads * group]`. scores = q . k * scale; soft-capped; masked; the sink logit of each head joins the softmax as
+    one more column and is dropped after it (GPT-OSS's eager formula). Returns `[B, kv_heads, group, Lq, D]`.
+    """
+    dtype = torch.promote_types(query.dtype, torch.float32)
+    scores = torch.einsum("bkgqd,bskd->bkgqs", query.to(dtype), keys.to(dtype)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    if sinks is not None:
+        batch, kv_heads, group, q_len, _ = scores.shape
+        sink = sinks.to(dtype).view(1, kv_heads, group, 1, 1).expand(batch, kv_heads, group, q_len, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("bkgqs,bskd->bkgqd", probs, values.to(dtype))
+
+
 def decode_attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -295,6 +375,8 @@ def decode_attention_reference(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gather every request's pages (padded to the longest), mask past its length and outside its window, softmax."""
     batch, num_heads, head_dim = q.shape
@@ -303,20 +385,17 @@ def decode_attention_reference(
     max_len = int(seq_lens.max())
     num_blocks = -(-max_len // page_size)
     table = block_table[:, :num_blocks].long()
-    keys = k_cache[table].reshape(batch, num_blocks * page_size, num_kv_heads, head_dim).float()
-    values = v_cache[table].reshape(batch, num_blocks * page_size, num_kv_heads, head_dim).float()
-    query = q.float().view(batch, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bkgd,bskd->bkgs", query, keys) * scale
+    keys = k_cache[table].reshape(batch, num_blocks * page_size, num_kv_heads, k_cache.shape[3])
+    values = v_cache[table].reshape(batch, num_blocks * page_size, num_kv_heads, v_cache.shape[3])
+    query = q.reshape(batch, num_kv_heads, group, 1, head_dim)
     positions = torch.arange(num_blocks * page_size, device=q.device)
-    lens = seq_lens.long().view(batch, 1)
+    lens = seq_lens.long().view(batch, 1).to(q.device)
     visible = positions.view(1, -1) < lens
     if sliding_window is not None:
         # The query sits at position len - 1 and sees keys k with (len - 1) - window < k.
         visible &= positions.view(1, -1) > lens - 1 - sliding_window
-    scores = scores.masked_fill(~visible.view(batch, 1, 1, -1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bkgs,bskd->bkgd", probs, values)
-    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+    out = softmax_attention(query, keys, values, visible.view(batch, 1, -1), scale, softcap, sinks)
+    return out.reshape(batch, num_heads, v_cache.shape[3]).to(q.dtype)
 
 
 def prefill_attention_reference(
@@ -328,18 +407,24 @@ def prefill_attention_reference(
     seq_lens_k: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per request: gather its keys from the pages and run SDPA with a bottom-right aligned causal (and window) mask.
+    """Per request: gather its keys from the pages and attend with a bottom-right aligned causal (and window) mask.
 
     The mask is per request, `[q_len, k_len]`; no mask spanning the whole packed batch is ever built.
     """
-    out = torch.empty_like(q)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, v_head_dim = k_cache.shape[2], v_cache.shape[3]
+    group = num_heads // num_kv_heads
+    out = q.new_empty(num_tokens, num_heads, v_head_dim)
     starts = cu_seqlens_q.tolist()
     k_lens = seq_lens_k.tolist()
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     for i, k_len in enumerate(k_lens):
         q_start, q_end = starts[i], starts[i + 1]
         q_len = q_end - q_start
+        if q_len == 0:
+            continue
         keys = gather_pages(k_cache, block_table[i], k_len)
         values = gather_pages(v_cache, block_table[i], k_len)
         q_pos = torch.arange(k_len - q_len, k_len, device=q.device).view(-1, 1)
@@ -347,13 +432,8 @@ def prefill_attention_reference(
         mask = k_pos <= q_pos
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window
-        attn = F.scaled_dot_product_attention(
-            q[q_start:q_end].transpose(0, 1).unsqueeze(0),
-            keys.to(q.dtype).transpose(0, 1).unsqueeze(0),
-            values.to(q.dtype).transpose(0, 1).unsqueeze(0),
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=num_heads != num_kv_heads,
-        )
-        out[q_start:q_end] = attn[0].transpose(0, 1)
+        query = q[q_start:q_end].reshape(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).unsqueeze(0)
+        attn = softmax_attention(query, keys.unsqueeze(0), values.unsqueeze(0), mask.unsqueeze(0), scale, softcap,
+                                 sinks)
+        out[q_start:q_end] = attn[0].permute(2, 0, 1, 3).reshape(q_len, num_heads, v_head_dim).to(q.dtype)
     return out

@@ -22,11 +22,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 head_dim] at slot_mapping [num_tokens] (int64, block * page_size + offset). Negative slots are skipped (padding).)doc");
   m.def("decode_attention", &cbcore::cuda::decode_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("block_table"), py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = -1,
-        py::arg("deterministic") = false,
+        py::arg("deterministic") = false, py::arg("softcap") = 0.0, py::arg("sinks") = py::none(),
         R"doc(Paged decode attention: q [batch, heads, head_dim] (one token per request) against each request's
 seq_lens[b] keys in its pages (block_table [batch, max_blocks] int32, seq_lens [batch] int32). sliding_window=-1:
 none; else keys k > len - 1 - window are seen. deterministic=True fixes the split size, so each request's result is
-bitwise independent of the rest of the batch. Returns [batch, heads, head_dim] in q's dtype; a request with no keys
+bitwise independent of the rest of the batch. softcap=0: none; else scores become softcap * tanh(score / softcap).
+sinks: None, or [heads] float32 sink logits that join each softmax's denominator (GPT-OSS). Returns [batch, heads, head_dim] in q's dtype; a request with no keys
 gets zeros.)doc");
   m.def("decode_split_tokens", &cbcore::cuda::decode_split_tokens, py::arg("work_units"), py::arg("span"),
         py::arg("deterministic"), py::arg("num_sms"),

@@ -27,9 +27,9 @@ pytestmark = pytest.mark.skipif(_C is None, reason="cbcore._C was built without 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 
 
-def paged_cache(k_lens, page_size, kv_heads, head_dim, dtype, generator):
+def paged_cache(k_lens, page_size, kv_heads, head_dim, dtype, generator, v_head_dim=None):
     """Noise-filled caches and a block table giving each request ceil(len / page_size) blocks in random order; the
-    rest of each table row points at other (noise) blocks."""
+    rest of each table row points at other (noise) blocks. V pages have head dim v_head_dim (default head_dim)."""
     blocks_per_request = [-(-n // page_size) for n in k_lens]
     num_blocks = sum(blocks_per_request) + 3
     order = torch.randperm(num_blocks, generator=generator).tolist()
@@ -41,7 +41,7 @@ def paged_cache(k_lens, page_size, kv_heads, head_dim, dtype, generator):
         rows.append(own + padding)
     shape = (num_blocks, page_size, kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=generator).to(dtype)
-    v_cache = torch.randn(shape, generator=generator).to(dtype)
+    v_cache = torch.randn(*shape[:3], v_head_dim or head_dim, generator=generator).to(dtype)
     return k_cache, v_cache, torch.tensor(rows, dtype=torch.int32)
 
 
@@ -51,26 +51,40 @@ def assert_matches_reference(got, want_fp32, dtype):
     torch.testing.assert_close(got.float(), want_fp32.float(), atol=tol, rtol=tol)
 
 
-def decode_case(k_lens, page_size, heads, kv_heads, head_dim, window, dtype, seed=0):
+def features(heads, softcap=None, sinks=False, generator=None):
+    """The kernels' (softcap, sinks) arguments and the reference's: a cap small enough to bend the scores (their
+    spread here is a few units), sink logits around the scores' size so they take a real share of the softmax."""
+    sink = torch.randn(heads, generator=generator) * 2 if sinks else None
+    return (softcap or 0.0, sink), dict(softcap=softcap, sinks=sink)
+
+
+def decode_case(k_lens, page_size, heads, kv_heads, head_dim, window, dtype, seed=0, softcap=None, sinks=False,
+                v_head_dim=None):
     generator = torch.Generator().manual_seed(seed)
-    k_cache, v_cache, table = paged_cache(k_lens, page_size, kv_heads, head_dim, dtype, generator)
+    k_cache, v_cache, table = paged_cache(k_lens, page_size, kv_heads, head_dim, dtype, generator, v_head_dim)
     q = torch.randn(len(k_lens), heads, head_dim, generator=generator).to(dtype)
     lens = torch.tensor(k_lens, dtype=torch.int32)
     scale = head_dim**-0.5
-    got = _C.decode_attention(q, k_cache, v_cache, table, lens, scale, -1 if window is None else window)
-    want = ops.decode_attention_reference(q.float(), k_cache.float(), v_cache.float(), table, lens, scale, window)
+    kernel_args, reference_kwargs = features(heads, softcap, sinks, generator)
+    got = _C.decode_attention(q, k_cache, v_cache, table, lens, scale, -1 if window is None else window, *kernel_args)
+    want = ops.decode_attention_reference(q.float(), k_cache.float(), v_cache.float(), table, lens, scale, window,
+                                          **reference_kwargs)
     return got, want
 
 
-def prefill_case(k_lens, q_lens, page_size, heads, kv_heads, head_dim, window, dtype, seed=0):
+def prefill_case(k_lens, q_lens, page_size, heads, kv_heads, head_dim, window, dtype, seed=0, softcap=None,
+                 sinks=False, v_head_dim=None):
     generator = torch.Generator().manual_seed(seed)
-    k_cache, v_cache, table = paged_cache(k_lens, page_size, kv_heads, head_dim, dtype, generator)
+    k_cache, v_cache, table = paged_cache(k_lens, page_size, kv_heads, head_dim, dtype, generator, v_head_dim)
     q = torch.randn(sum(q_lens), heads, head_dim, generator=generator).to(dtype)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     lens = torch.tensor(k_lens, dtype=torch.int32)
     scale = head_dim**-0.5
-    got = _C.prefill_attention(q, k_cache, v_cache, table, cu, lens, scale, -1 if window is None else window)
-    want = ops.prefill_attention_reference(q.float(), k_cache.float(), v_cache.float(), table, cu, lens, scale, window)
+    kernel_args, reference_kwargs = features(heads, softcap, sinks, generator)
+    got = _C.prefill_attention(q, k_cache, v_cache, table, cu, lens, scale, -1 if window is None else window,
+                               *kernel_args)
+    want = ops.prefill_attention_reference(q.float(), k_cache.float(), v_cache.float(), table, cu, lens, scale, window,
+                                           **reference_kwargs)
     return got, want
 
 
@@ -126,6 +140,102 @@ def test_prefill_matches_reference_half_precision(dtype, heads, kv_heads, window
     assert_matches_reference(got, want, dtype)
 
 
+# ---- attention features: soft-capping, sinks, a V head dim of its own ------------------------------------------
+
+FEATURES = {  # id -> (softcap, sinks)
+    "softcap": (0.7, False),
+    "sinks": (None, True),
+    "softcap+sinks": (0.7, True),
+}
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("page_size", [8, 256])
+@pytest.mark.parametrize(("heads", "kv_heads"), GQA)
+@pytest.mark.parametrize("window", [None, 7])
+def test_decode_with_features_matches_reference_fp32(feature, page_size, heads, kv_heads, window) -> None:
+    """1100 keys cross the 1024-key split: the sink must be counted once over the split-K merge."""
+    softcap, sinks = FEATURES[feature]
+    got, want = decode_case(ragged_lengths(page_size), page_size, heads, kv_heads, 64, window, torch.float32,
+                            softcap=softcap, sinks=sinks)
+    assert_matches_reference(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("page_size", [8, 256])
+@pytest.mark.parametrize(("heads", "kv_heads"), GQA)
+@pytest.mark.parametrize("window", [None, 7])
+def test_prefill_with_features_matches_reference_fp32(feature, page_size, heads, kv_heads, window) -> None:
+    softcap, sinks = FEATURES[feature]
+    k_lens, q_lens = prefill_lengths(page_size)
+    got, want = prefill_case(k_lens, q_lens, page_size, heads, kv_heads, 64, window, torch.float32,
+                             softcap=softcap, sinks=sinks)
+    assert_matches_reference(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_features_match_reference_half_precision(dtype, feature) -> None:
+    softcap, sinks = FEATURES[feature]
+    got, want = decode_case(ragged_lengths(16), 16, 16, 4, 64, 7, dtype, softcap=softcap, sinks=sinks)
+    assert_matches_reference(got, want, dtype)
+    k_lens, q_lens = prefill_lengths(16)
+    got, want = prefill_case(k_lens, q_lens, 16, 16, 4, 64, 7, dtype, softcap=softcap, sinks=sinks)
+    assert_matches_reference(got, want, dtype)
+
+
+def test_features_change_the_result() -> None:
+    """The cases above are not vacuous: soft-capping and sinks each move the output well past the tolerance."""
+    plain, _ = decode_case([40, 300], 16, 8, 2, 64, None, torch.float32)
+    for softcap, sinks in FEATURES.values():
+        got, _ = decode_case([40, 300], 16, 8, 2, 64, None, torch.float32, softcap=softcap, sinks=sinks)
+        assert (got - plain).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize(("head_dim", "v_head_dim"), [(24, 16), (192, 128), (64, 128)])
+@pytest.mark.parametrize("window", [None, 7])
+def test_separate_v_head_dim_matches_reference(head_dim, v_head_dim, window) -> None:
+    """Multi-head latent attention (DeepSeek-V2/V3): V pages have their own head dim; the output has V's."""
+    got, want = decode_case(ragged_lengths(16), 16, 8, 8, head_dim, window, torch.float32, sinks=True,
+                            v_head_dim=v_head_dim)
+    assert got.shape[-1] == v_head_dim
+    assert_matches_reference(got, want, torch.float32)
+    k_lens, q_lens = prefill_lengths(16)
+    got, want = prefill_case(k_lens, q_lens, 16, 8, 8, head_dim, window, torch.float32, softcap=0.7,
+                             v_head_dim=v_head_dim)
+    assert got.shape[-1] == v_head_dim
+    assert_matches_reference(got, want, torch.float32)
+
+
+def test_cache_write_with_a_separate_v_head_dim() -> None:
+    generator = torch.Generator().manual_seed(8)
+    k = torch.randn(5, 2, 24, generator=generator)
+    v = torch.randn(5, 2, 16, generator=generator)
+    got_k, got_v = torch.zeros(3, 4, 2, 24), torch.zeros(3, 4, 2, 16)
+    want_k, want_v = got_k.clone(), got_v.clone()
+    slots = torch.tensor([11, 0, 5, 4, 7])
+    _C.cache_write(k, v, got_k, got_v, slots)
+    ops.cache_write_reference(k, v, want_k, want_v, slots)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (dict(softcap=-1.0), "softcap must be 0"),
+    (dict(sinks=torch.zeros(3)), r"sinks must be a contiguous float32 CPU tensor \[heads=2\]"),
+    (dict(sinks=torch.zeros(2, dtype=torch.float64)), "sinks must be a contiguous float32"),
+])
+def test_bad_softcap_or_sinks_raise_value_error(change, message) -> None:
+    k_cache = torch.zeros(4, 8, 1, 8)
+    q = torch.zeros(1, 2, 8)
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    lens = torch.tensor([9], dtype=torch.int32)
+    with pytest.raises(ValueError, match=message):
+        _C.decode_attention(q, k_cache, k_cache, table, lens, 1.0, -1, change.get("softcap", 0.0), change.get("sinks"))
+    with pytest.raises(ValueError, match=message):
+        _C.prefill_attention(q, k_cache, k_cache, table, torch.tensor([0, 1], dtype=torch.int32), lens, 1.0, -1,
+                             change.get("softcap", 0.0), change.get("sinks"))
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     data=st.data(),
@@ -134,15 +244,20 @@ def test_prefill_matches_reference_half_precision(dtype, heads, kv_heads, window
     group=st.sampled_from([1, 2, 3, 5, 8, 9]),
     head_dim=st.sampled_from([8, 24, 64, 80]),
     window=st.one_of(st.none(), st.integers(1, 40)),
+    softcap=st.sampled_from([None, 0.5, 30.0]),
+    sinks=st.booleans(),
 )
-def test_any_shape_matches_reference(data, page_size, kv_heads, group, head_dim, window) -> None:
-    """Odd page sizes, group sizes and head dims (multiples of 8) too: every shape the kernels accept."""
+def test_any_shape_matches_reference(data, page_size, kv_heads, group, head_dim, window, softcap, sinks) -> None:
+    """Odd page sizes, group sizes and head dims (multiples of 8) too: every shape the kernels accept, with and
+    without soft-capping and sinks."""
     k_lens = data.draw(st.lists(st.integers(1, 130), min_size=1, max_size=4))
     q_lens = [data.draw(st.integers(0, n)) for n in k_lens]
     heads = kv_heads * group
-    got, want = decode_case(k_lens, page_size, heads, kv_heads, head_dim, window, torch.float32)
+    got, want = decode_case(k_lens, page_size, heads, kv_heads, head_dim, window, torch.float32, softcap=softcap,
+                            sinks=sinks)
     assert_matches_reference(got, want, torch.float32)
-    got, want = prefill_case(k_lens, q_lens, page_size, heads, kv_heads, head_dim, window, torch.float32)
+    got, want = prefill_case(k_lens, q_lens, page_size, heads, kv_heads, head_dim, window, torch.float32,
+                             softcap=softcap, sinks=sinks)
     assert_matches_reference(got, want, torch.float32)
 
 

@@ -104,12 +104,17 @@ def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, dtype: torch
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
-def run_decode(lengths, num_heads, num_kv_heads, head_dim, page_size, dtype, window=-1, deterministic=False, seed=0):
+def run_decode(lengths, num_heads, num_kv_heads, head_dim, page_size, dtype, window=-1, deterministic=False, seed=0,
+               softcap=None, sinks=None):
     q, k_cache, v_cache, table, seq_lens = make_paged(lengths, num_heads, num_kv_heads, head_dim, page_size, dtype,
                                                       seed)
     scale = 1 / math.sqrt(head_dim)
-    out = cuda_module().decode_attention(q, k_cache, v_cache, table, seq_lens, scale, window, deterministic)
-    return out, reference_decode(q, k_cache, v_cache, table, seq_lens, scale, window)
+    sinks = None if sinks is None else sinks.float().cuda()
+    out = cuda_module().decode_attention(q, k_cache, v_cache, table, seq_lens, scale, window, deterministic,
+                                         softcap or 0.0, sinks)
+    ref = ops.decode_attention_reference(q.float(), k_cache.float(), v_cache.float(), table, seq_lens, scale,
+                                         None if window == -1 else window, softcap, sinks)
+    return out, ref
 
 
 # Ragged, with a single token and lengths on both sides of page boundaries for page sizes 8 and 16.
@@ -152,6 +157,25 @@ def test_decode_single_request_single_token_returns_that_tokens_values() -> None
 @pytest.mark.parametrize("window", [1, 5, 16, 64, 1000, 5000])
 def test_decode_sliding_window(dtype, window) -> None:
     out, ref = run_decode(RAGGED + [2000, 4097], 16, 4, 128, 16, dtype, window=window)
+    assert_close_to_reference(out, ref, dtype)
+
+
+def sink_logits(num_heads: int, seed: int = 0) -> torch.Tensor:
+    """Sink logits about the size of the scores, so each takes a real share of its softmax."""
+    return torch.randn(num_heads, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(("softcap", "with_sinks"), [(0.7, False), (None, True), (30.0, True)],
+                         ids=["softcap", "sinks", "softcap30+sinks"])
+@pytest.mark.parametrize("window", [-1, 64])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_decode_softcap_and_sinks(dtype, softcap, with_sinks, window, deterministic) -> None:
+    # Lengths from one key to many splits: the sink joins once, in the one-split direct write or in the merge.
+    sinks = sink_logits(16) if with_sinks else None
+    out, ref = run_decode(RAGGED + [4097], 16, 4, 128, 16, dtype, window=window, deterministic=deterministic,
+                          softcap=softcap, sinks=sinks)
     assert_close_to_reference(out, ref, dtype)
 
 
@@ -235,6 +259,31 @@ def test_decode_through_ops_dispatches_to_cuda(monkeypatch) -> None:
     q, k_cache, v_cache, table, seq_lens = make_paged(RAGGED, 16, 4, 128, 16, torch.bfloat16)
     out = ops.decode_attention(q, k_cache, v_cache, table, seq_lens, 0.088, None)
     assert_close_to_reference(out, reference_decode(q, k_cache, v_cache, table, seq_lens, 0.088, -1), torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_decode_through_ops_passes_softcap_and_model_dtype_sinks(monkeypatch) -> None:
+    # GPT-OSS hands its sinks over as a bf16 parameter; ops converts them to the kernel's fp32.
+    monkeypatch.setenv("CBCORE_KERNELS", "cuda")
+    q, k_cache, v_cache, table, seq_lens = make_paged(RAGGED, 16, 4, 128, 16, torch.bfloat16)
+    sinks = sink_logits(16).to(torch.bfloat16).cuda()
+    out = ops.decode_attention(q, k_cache, v_cache, table, seq_lens, 0.088, None, 5.0, sinks)
+    ref = ops.decode_attention_reference(q.float(), k_cache.float(), v_cache.float(), table, seq_lens, 0.088, None,
+                                         5.0, sinks)
+    assert_close_to_reference(out, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_decode_with_a_separate_v_head_dim_runs_the_reference_in_auto_and_raises_when_cuda_is_forced(
+        monkeypatch) -> None:
+    q, k_cache, _, table, seq_lens = make_paged([5, 40], 8, 2, 128, 16, torch.float32)
+    v_cache = torch.randn(*k_cache.shape[:3], 64, device="cuda")
+    monkeypatch.setenv("CBCORE_KERNELS", "auto")
+    out = ops.decode_attention(q, k_cache, v_cache, table, seq_lens, 0.088)
+    assert out.shape == (2, 8, 64)
+    monkeypatch.setenv("CBCORE_KERNELS", "cuda")
+    with pytest.raises(RuntimeError, match="V head dim 64 differs"):
+        ops.decode_attention(q, k_cache, v_cache, table, seq_lens, 0.088)
 
 
 @pytest.mark.gpu

@@ -4,7 +4,8 @@ tests/cuda_emulation/ holds a stand-in for the CUDA runtime (a std::thread per C
 __syncthreads and the warp shuffles); the real kernel header csrc/attention/cuda_decode_attention.cuh and the real
 launch plan (cuda_decode_params.h) are compiled against it with the host compiler and run on small batches, against
 the reference in cbcore/ops.py. This covers the indexing through block tables, head grouping and padding, the
-butterfly reductions, split-K and its merge, sliding windows and the deterministic mode's batch independence. It
+butterfly reductions, split-K and its merge, sliding windows, soft-capping, attention sinks (counted once across
+split-K) and the deterministic mode's batch independence. It
 does not cover what only a GPU shows (the memory model, the 16-byte load instruction, performance): that is
 tests/test_kernels_cuda.py's job, under `pytest -m gpu`.
 """
@@ -64,7 +65,7 @@ def paged(lengths, num_heads, num_kv_heads, head_dim, page_size, dtype, seed=0):
 
 
 def emulate(harness: Path, q, k_cache, v_cache, table, seq_lens, window=-1, deterministic=False,
-            target_ctas=TARGET_CTAS) -> tuple[torch.Tensor, str]:
+            target_ctas=TARGET_CTAS, softcap=None, sinks=None) -> tuple[torch.Tensor, str]:
     """The kernels' output for these inputs, and the launch plan they ran with."""
     batch, num_heads, head_dim = q.shape
     num_blocks, page_size, num_kv_heads, _ = k_cache.shape
@@ -72,10 +73,14 @@ def emulate(harness: Path, q, k_cache, v_cache, table, seq_lens, window=-1, dete
     work.mkdir(exist_ok=True)
     for name, tensor in [("q", q), ("k", k_cache), ("v", v_cache), ("table", table), ("lens", seq_lens)]:
         tensor.contiguous().view(torch.uint8).numpy().tofile(work / f"{name}.bin")
+    (work / "sinks.bin").unlink(missing_ok=True)  # the harness reads sinks when the file exists
+    if sinks is not None:
+        sinks.float().contiguous().numpy().tofile(work / "sinks.bin")
     dtype = "f32" if q.dtype == torch.float32 else "bf16"
     args = [str(harness), str(work), dtype, *map(str, (batch, num_heads, num_kv_heads, head_dim, page_size,
                                                       table.shape[1], num_blocks, window, int(deterministic),
-                                                      target_ctas)), repr(1 / math.sqrt(head_dim))]
+                                                      target_ctas)), repr(1 / math.sqrt(head_dim)),
+            repr(float(softcap or 0.0))]
     result = subprocess.run(args, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     raw = torch.from_numpy(np.fromfile(work / "out.bin", dtype=np.uint8))
@@ -83,11 +88,12 @@ def emulate(harness: Path, q, k_cache, v_cache, table, seq_lens, window=-1, dete
 
 
 def check_against_reference(harness, lengths, num_heads, num_kv_heads, head_dim, page_size, dtype, window=-1,
-                            deterministic=False, target_ctas=TARGET_CTAS) -> str:
+                            deterministic=False, target_ctas=TARGET_CTAS, softcap=None, sinks=None) -> str:
     q, k_cache, v_cache, table, seq_lens = paged(lengths, num_heads, num_kv_heads, head_dim, page_size, dtype)
-    out, plan = emulate(harness, q, k_cache, v_cache, table, seq_lens, window, deterministic, target_ctas)
+    out, plan = emulate(harness, q, k_cache, v_cache, table, seq_lens, window, deterministic, target_ctas, softcap,
+                        sinks)
     ref = ops.decode_attention_reference(q.float(), k_cache.float(), v_cache.float(), table, seq_lens,
-                                         1 / math.sqrt(head_dim), None if window == -1 else window)
+                                         1 / math.sqrt(head_dim), None if window == -1 else window, softcap, sinks)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol, msg=lambda m: f"{m}\n{plan}")
     return plan
@@ -133,3 +139,36 @@ def test_emulated_deterministic_mode_is_independent_of_the_batch(harness) -> Non
         alone, _ = emulate(harness, q[i:i + 1], k_cache, v_cache, table[i:i + 1, :width], seq_lens[i:i + 1],
                            deterministic=True, target_ctas=1)
         assert torch.equal(alone[0], full[i]), f"request {i} differs when it runs alone"
+
+
+def sink_logits(num_heads: int, seed: int = 0) -> torch.Tensor:
+    """Sink logits about the size of the scores, so each takes a real share of its softmax."""
+    return torch.randn(num_heads, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+@pytest.mark.parametrize(("softcap", "with_sinks"), [(0.7, False), (None, True), (0.7, True)],
+                         ids=["softcap", "sinks", "softcap+sinks"])
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "num_heads", "num_kv_heads", "page_size"),
+    [(torch.float32, 64, 8, 2, 8), (torch.bfloat16, 128, 16, 4, 16), (torch.float32, 128, 28, 4, 8)],
+    ids=["gqa4-f32-d64-p8", "gqa4-bf16-d128-p16", "gqa7-f32-d128-p8"],
+)
+def test_emulated_decode_softcap_and_sinks(harness, softcap, with_sinks, dtype, head_dim, num_heads, num_kv_heads,
+                                           page_size) -> None:
+    """The ragged batch has one-split and many-split requests: the sink joins once, in the direct write or the merge."""
+    sinks = sink_logits(num_heads) if with_sinks else None
+    plan = check_against_reference(harness, RAGGED, num_heads, num_kv_heads, head_dim, page_size, dtype,
+                                   softcap=softcap, sinks=sinks)
+    assert "max_splits=1 " not in plan, "the ragged batch must exercise split-K"
+
+
+@pytest.mark.parametrize("window", [1, 5, 64])
+def test_emulated_decode_sinks_with_a_sliding_window(harness, window) -> None:
+    check_against_reference(harness, [1, 9, 33, 700], 8, 2, 64, 8, torch.float32, window=window, softcap=2.0,
+                            sinks=sink_logits(8, seed=1))
+
+
+def test_emulated_decode_sinks_with_the_smallest_splits(harness) -> None:
+    """Many splits per request (64 keys each): the merge adds the sink to the total exactly once."""
+    assert "split=64 " in check_against_reference(harness, [1500, 5], 4, 1, 64, 16, torch.float32,
+                                                  target_ctas=10**6, sinks=sink_logits(4, seed=2))

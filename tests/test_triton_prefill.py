@@ -46,8 +46,11 @@ needs_compiled_cuda = pytest.mark.skipif(
 RAGGED = [(1, 1), (1, 21), (19, 19), (7, 40), (5, 5)]
 
 
-def make_batch(requests, page_size, heads, kv_heads, head_dim, dtype=torch.float32, device="cpu", seed=0):
-    """Random queries and K/V written through `ops.cache_write` into shuffled pages; returns the kernel's arguments."""
+def make_batch(requests, page_size, heads, kv_heads, head_dim, dtype=torch.float32, device="cpu", seed=0,
+               v_head_dim=None):
+    """Random queries and K/V written through `ops.cache_write` into shuffled pages; returns the kernel's arguments.
+    V pages have head dim v_head_dim (default head_dim)."""
+    v_head_dim = v_head_dim or head_dim
     generator = torch.Generator().manual_seed(seed)
     q_lens = [q for q, _ in requests]
     k_lens = [k for _, k in requests]
@@ -55,7 +58,7 @@ def make_batch(requests, page_size, heads, kv_heads, head_dim, dtype=torch.float
     num_blocks = sum(blocks_per_request) + 2
     order = torch.randperm(num_blocks, generator=generator).tolist()
     k_cache = torch.full((num_blocks, page_size, kv_heads, head_dim), float("nan"), dtype=dtype)
-    v_cache = k_cache.clone()
+    v_cache = torch.full((num_blocks, page_size, kv_heads, v_head_dim), float("nan"), dtype=dtype)
     tables = []
     for k_len, count in zip(k_lens, blocks_per_request):
         blocks = [order.pop() for _ in range(count)]
@@ -63,7 +66,7 @@ def make_batch(requests, page_size, heads, kv_heads, head_dim, dtype=torch.float
         positions = torch.arange(k_len)
         slots = torch.tensor(blocks, dtype=torch.long)[positions // page_size] * page_size + positions % page_size
         keys = torch.randn(k_len, kv_heads, head_dim, generator=generator)
-        values = torch.randn(k_len, kv_heads, head_dim, generator=generator)
+        values = torch.randn(k_len, kv_heads, v_head_dim, generator=generator)
         ops.cache_write(keys, values, k_cache, v_cache, slots)
     nan_block = order.pop()  # never written: every slot stays NaN
     width = max(blocks_per_request) + 1
@@ -75,11 +78,11 @@ def make_batch(requests, page_size, heads, kv_heads, head_dim, dtype=torch.float
     return tuple(t.to(device) for t in args)
 
 
-def assert_matches_reference(args, window, atol, rtol, tiles=None):
+def assert_matches_reference(args, window, atol, rtol, tiles=None, softcap=None, sinks=None):
     head_dim = args[0].shape[-1]
     scale = head_dim**-0.5
-    got = prefill_attention(*args, scale, window, tiles=tiles)
-    want = ops.prefill_attention_reference(*args, scale, window)
+    got = prefill_attention(*args, scale, window, softcap, sinks, tiles=tiles)
+    want = ops.prefill_attention_reference(*args, scale, window, softcap, sinks)
     assert got.dtype == want.dtype and got.shape == want.shape
     assert not got.isnan().any(), "the kernel read a slot it must not read (NaN from an unused slot or padding)"
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
@@ -174,6 +177,50 @@ def test_strided_query_view() -> None:
     assert_matches_reference((strided_q, *rest), None, atol=1e-5, rtol=1e-5)
 
 
+# Soft-capping and sinks (cbcore.ops module docstring): a cap that bends scores of a few units, sinks of about their
+# size so that they take a real share of each softmax.
+FEATURES = {"softcap": (0.7, False), "sinks": (None, True), "softcap+sinks": (0.7, True)}
+
+
+def sink_logits(heads, seed=0):
+    return torch.randn(heads, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+@interpreted
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize(("heads", "kv_heads"), [(2, 2), (8, 1), (6, 2)], ids=["mha", "gqa8", "gqa3"])
+@pytest.mark.parametrize("window", [None, 5], ids=["causal", "window5"])
+def test_softcap_and_sinks_match_reference(feature, heads, kv_heads, window) -> None:
+    softcap, with_sinks = FEATURES[feature]
+    args = make_batch(RAGGED, 8, heads, kv_heads, head_dim=16, seed=heads)
+    sinks = sink_logits(heads) if with_sinks else None
+    assert_matches_reference(args, window, atol=1e-5, rtol=1e-5, softcap=softcap, sinks=sinks)
+
+
+@interpreted
+@pytest.mark.parametrize("window", [None, 26], ids=["causal", "window26"])
+def test_sinks_over_many_key_tiles(window) -> None:
+    # The sink's share is rescaled by every later key tile, interior (unmasked) tiles included.
+    args = make_batch([(30, 70), (1, 50), (12, 12)], page_size=8, heads=2, kv_heads=1, head_dim=16, seed=5)
+    assert_matches_reference(args, window, atol=1e-5, rtol=1e-5, tiles=PrefillTiles(16, 16), softcap=2.0,
+                             sinks=sink_logits(2, seed=1))
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_softcap_and_sinks_half_precision(dtype) -> None:
+    args = make_batch(RAGGED, page_size=16, heads=8, kv_heads=2, head_dim=16, dtype=dtype, seed=7)
+    assert_matches_reference(args, 5, atol=2e-2, rtol=2e-2, softcap=0.7, sinks=sink_logits(8))
+
+
+@interpreted
+@pytest.mark.parametrize(("head_dim", "v_head_dim"), [(24, 16), (16, 32)])
+def test_separate_v_head_dim_matches_reference(head_dim, v_head_dim) -> None:
+    # Multi-head latent attention (DeepSeek-V2/V3): V has its own head dim, and so does the output.
+    args = make_batch(RAGGED, page_size=8, heads=4, kv_heads=2, head_dim=head_dim, seed=2, v_head_dim=v_head_dim)
+    assert_matches_reference(args, 5, atol=1e-5, rtol=1e-5, sinks=sink_logits(4))
+
+
 @interpreted
 def test_empty_batch_returns_empty_output() -> None:
     q, k_cache, v_cache, *_ = make_batch([(1, 1)], page_size=8, heads=2, kv_heads=1, head_dim=16)
@@ -217,7 +264,7 @@ def test_rejects_inputs_it_cannot_serve() -> None:
 @pytest.mark.parametrize(
     ("arch", "dtype", "tiles", "window"),
     [(90, "bf16", PrefillTiles(128, 64, 8, 2), False), (80, "fp32", PrefillTiles(64, 32, 4, 2), True)],
-    ids=["sm90-bf16-causal", "sm80-fp32-window"],
+    ids=["sm90-bf16-causal", "sm80-fp32-window-softcap-sinks"],
 )
 def test_kernel_compiles_for_gpus_without_one(arch, dtype, tiles, window) -> None:
     # Triton compiles ahead of time for a named target with its bundled ptxas; this checks the compiled path (the
@@ -230,13 +277,15 @@ def test_kernel_compiles_for_gpus_without_one(arch, dtype, tiles, window) -> Non
 
     kernel = module._jitted_kernel(module.interpreter_enabled())
     names = kernel.arg_names
-    constants = dict(GROUP=4, PAGE_SIZE=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=tiles.block_m,
-                     BLOCK_Q=tiles.block_m // 4, BLOCK_N=tiles.block_n, HAS_WINDOW=window,
+    constants = dict(GROUP=4, PAGE_SIZE=16, HEAD_DIM=128, BLOCK_D=128, V_HEAD_DIM=128, BLOCK_DV=128,
+                     BLOCK_M=tiles.block_m, BLOCK_Q=tiles.block_m // 4, BLOCK_N=tiles.block_n, HAS_WINDOW=window,
+                     HAS_SOFTCAP=window, HAS_SINKS=window,
                      DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", BF16_AS_FP32=False,
                      stride_q_dim=1, stride_k_dim=1, stride_v_dim=1, stride_o_dim=1)
     tensors = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")
     signature = {name: "constexpr" if name in constants else f"*{dtype}" if name in tensors
-                 else "*i32" if name.endswith("_ptr") else "fp32" if name == "qk_scale" else "i32" for name in names}
+                 else "*fp32" if name == "sinks_ptr" else "*i32" if name.endswith("_ptr")
+                 else "fp32" if name in ("qk_scale", "softcap_log2") else "i32" for name in names}
     divisible = [name for name in names
                  if name not in constants and (name.endswith("_ptr") or name.startswith("stride"))]
     source = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in constants.items()},

@@ -28,6 +28,12 @@ Kernel design (flash-attention 2 style, one pass, online softmax in base 2, fp32
   independent of the page size: a key tile may span several pages (small pages) or part of one (large pages). Any
   page size >= 1 works.
 - head_dim need not be a power of two: the tile is padded to the next power of two (at least 16) with masked loads.
+- Soft-capping (HAS_SOFTCAP) bends every score, in the log2 domain, before the mask: with c2 = softcap * log2(e),
+  s2 = c2 * tanh(s2 / c2) is exactly softcap * tanh(s / softcap) scaled by log2(e). tanh is written with exp2
+  (tanh y = 1 - 2 / (1 + 2^(2y log2 e))), which the compiler and the interpreter both have.
+- Sinks (HAS_SINKS) start each row's online softmax as one key of logit `sink` and no value: m = sink * log2(e),
+  l = 1, acc = 0. Every later tile rescales them like any other key's share.
+- V may have its own head dim (V_HEAD_DIM, padded to BLOCK_DV), as in multi-head latent attention; the output has it.
 - fp32 inputs use IEEE fp32 dot products (not TF32) so fp32 results match the reference closely; fp16/bf16 inputs use
   tensor cores with fp32 accumulation (P is rounded to the input dtype before the P @ V product, as in flash-attn).
 
@@ -136,6 +142,8 @@ def prefill_attention(
     seq_lens_k: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     *,
     tiles: PrefillTiles | None = None,
 ) -> torch.Tensor:
@@ -144,20 +152,24 @@ def prefill_attention(
     Args:
         q: `[num_tokens, heads, head_dim]`, the queries of all requests packed in request order (fp16/bf16/fp32).
         k_cache, v_cache: `[num_blocks, page_size, kv_heads, head_dim]`; heads must be a multiple of kv_heads
-            (GQA/MQA). Normally q's dtype; another one is converted to q's on load, as the reference does.
+            (GQA/MQA). Normally q's dtype; another one is converted to q's on load, as the reference does. v_cache's
+            head dim may differ from k_cache's (multi-head latent attention).
         block_table: `[batch, max_blocks]` int32/int64, each request's physical blocks in token order; entries past a
             request's length are never read.
         cu_seqlens_q: `[batch + 1]` int32/int64, query offsets into q (cu_seqlens_q[-1] == num_tokens).
         seq_lens_k: `[batch]` int32/int64, keys per request, its new tokens included (>= its query count).
         scale: softmax scale.
         sliding_window: w: a query at position p sees keys p - w < k <= p (transformers' convention); None: all k <= p.
+        softcap: scores become softcap * tanh(score / softcap) before the mask (Gemma-2); None: off.
+        sinks: `[heads]` sink logits (GPT-OSS's s_aux) joining each softmax's denominator; None: off.
         tiles: launch shape override (benchmarks, tests); by default `choose_tiles`.
 
-    Returns `[num_tokens, heads, head_dim]` in q's dtype, like `cbcore.ops.prefill_attention_reference`. Only shapes
+    Returns `[num_tokens, heads, v_head_dim]` in q's dtype, like `cbcore.ops.prefill_attention_reference`. Only shapes
     are checked here: checking the values would cost a device sync on every call of every layer.
     """
-    _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, sliding_window)
+    _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, sliding_window, softcap, sinks)
     num_tokens, num_heads, head_dim = q.shape
+    v_head_dim = v_cache.shape[3]
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_requests = seq_lens_k.shape[0]
     group = num_heads // num_kv_heads
@@ -171,22 +183,26 @@ def prefill_attention(
             "set before triton is first imported, to use Triton's interpreter (slow: for tests)."
         )
 
-    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    out = torch.empty((num_tokens, num_heads, v_head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_requests == 0:
         return out
     if tiles is None:
-        tiles = choose_tiles(num_tokens, num_requests, group, head_dim, q.dtype, interpret)
+        tiles = choose_tiles(num_tokens, num_requests, group, max(head_dim, v_head_dim), q.dtype, interpret)
     block_q = tiles.block_m // group
     # Request i's tiles start at id cu_seqlens_q[i] // block_q + i, so every id is below num_tokens // block_q + batch.
     grid = (num_tokens // block_q + num_requests, num_kv_heads)
     kernel = _jitted_kernel(interpret)
+    if sinks is not None:
+        sinks = sinks.detach().to(device=q.device, dtype=torch.float32).contiguous()
     kernel[grid](
         q, k_cache, v_cache, out, block_table, cu_seqlens_q, seq_lens_k,
-        float(scale) * LOG2_E, int(sliding_window or 0), num_requests,
+        sinks if sinks is not None else out,  # a pointer the kernel never reads when HAS_SINKS is off
+        float(scale) * LOG2_E, int(sliding_window or 0), float(softcap or 1.0) * LOG2_E, num_requests,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), block_table.stride(0),
         GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
+        V_HEAD_DIM=v_head_dim, BLOCK_DV=padded_head_dim(v_head_dim),
         BLOCK_M=tiles.block_m, BLOCK_Q=block_q, BLOCK_N=tiles.block_n,
-        HAS_WINDOW=sliding_window is not None,
+        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # Triton's interpreter stores bf16 as raw uint16 and its tl.dot multiplies the bit patterns (no bf16
         # arithmetic in the interpreter: triton-lang/triton#11584); there the bf16 operands go through fp32, with P
@@ -197,7 +213,8 @@ def prefill_attention(
     return out
 
 
-def _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, sliding_window) -> None:
+def _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, sliding_window, softcap=None,
+                  sinks=None) -> None:
     """Shape, dtype and device checks (host-side metadata only: no sync)."""
     if not TRITON_AVAILABLE:
         raise RuntimeError("triton prefill_attention needs the `triton` package; use cbcore.ops.prefill_attention, "
@@ -205,8 +222,9 @@ def _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, sl
     if q.dim() != 3 or k_cache.dim() != 4:
         raise ValueError(f"expected q [num_tokens, heads, head_dim] and k_cache [num_blocks, page_size, kv_heads, "
                          f"head_dim]; got q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}")
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape")
+    if v_cache.dim() != 4 or v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in more than the "
+                         "head dim")
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:
@@ -229,6 +247,11 @@ def _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, sl
         raise ValueError(f"all tensors must be on one device; got {sorted(str(d) for d in devices)}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+    if softcap is not None and not 0 < softcap < float("inf"):
+        raise ValueError(f"softcap must be None or a positive finite number, got {softcap}")
+    if sinks is not None and (sinks.shape != (num_heads,) or not sinks.is_floating_point()):
+        raise ValueError(f"sinks must be a floating-point [heads={num_heads}] tensor, got {tuple(sinks.shape)} "
+                         f"{sinks.dtype}")
 
 
 def _check_tiles(tiles: PrefillTiles, group: int) -> None:
@@ -246,14 +269,16 @@ def _jitted_kernel(interpret: bool):
     `interpret` (checked against it just before) is the cache key, so a kernel of one mode is never reused in the
     other."""
     del interpret
-    return triton.jit(_prefill_attention_kernel, do_not_specialize=["window", "num_requests"])
+    return triton.jit(_prefill_attention_kernel, do_not_specialize=["window", "softcap_log2", "num_requests"])
 
 
 def _prefill_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_table_ptr, cu_seqlens_q_ptr, seq_lens_k_ptr,
+    sinks_ptr,  # [heads] fp32; read only when HAS_SINKS
     qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
     window,  # read only when HAS_WINDOW
+    softcap_log2,  # softcap * log2(e); read only when HAS_SOFTCAP
     num_requests,
     stride_q_token, stride_q_head, stride_q_dim,
     stride_k_block, stride_k_slot, stride_k_head, stride_k_dim,
@@ -264,10 +289,14 @@ def _prefill_attention_kernel(
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    V_HEAD_DIM: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BF16_AS_FP32: tl.constexpr,  # interpreter only: it has no bf16 arithmetic (see prefill_attention)
 ):
@@ -303,6 +332,8 @@ def _prefill_attention_kernel(
     row_pos = offset + tl.minimum(row_q, last_q)
     dims = tl.arange(0, BLOCK_D)
     dim_valid = dims < HEAD_DIM
+    v_dims = tl.arange(0, BLOCK_DV)
+    v_dim_valid = v_dims < V_HEAD_DIM
 
     q_rows = (q_start + row_q).to(tl.int64)
     q = tl.load(
@@ -325,9 +356,14 @@ def _prefill_attention_kernel(
     full_hi = (first_pos + 1) // BLOCK_N  # first key tile reaching past the tile's first query
 
     # Online softmax state; m starts finite so a row that sees no key of a boundary tile gives exp2(-inf) = 0, not NaN.
-    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # A sink is one more key, of logit `sink` and no value: the state starts from it (m = sink, l = 2^0 = 1).
+    if HAS_SINKS:
+        m_i = tl.load(sinks_ptr + row_head).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     cols = tl.arange(0, BLOCK_N)
     table_row = block_table_ptr + request.to(tl.int64) * stride_table
     for key_tile in range(tile_lo, tile_hi):
@@ -344,6 +380,10 @@ def _prefill_attention_kernel(
         if BF16_AS_FP32:
             k = k.to(tl.float32)
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        if HAS_SOFTCAP:
+            # softcap * tanh(s / softcap), in the log2 domain; tanh(y) = 1 - 2 / (1 + e^(2y)) saturates cleanly.
+            capped = 2.0 * 1.4426950408889634 * (scores / softcap_log2)
+            scores = softcap_log2 * (1.0 - 2.0 / (1.0 + tl.exp2(capped)))
         if (key_tile < full_lo) | (key_tile >= full_hi):
             visible = key_pos[None, :] <= row_pos[:, None]
             if HAS_WINDOW:
@@ -354,9 +394,9 @@ def _prefill_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v_offsets = block * stride_v_block + slot * stride_v_slot + kv_head * stride_v_head
-        v = tl.load(  # [BLOCK_N, BLOCK_D]
-            v_cache_ptr + v_offsets[:, None] + dims[None, :] * stride_v_dim,
-            mask=key_valid[:, None] & dim_valid[None, :], other=0.0,
+        v = tl.load(  # [BLOCK_N, BLOCK_DV]
+            v_cache_ptr + v_offsets[:, None] + v_dims[None, :] * stride_v_dim,
+            mask=key_valid[:, None] & v_dim_valid[None, :], other=0.0,
         )
         v = v.to(q_ptr.dtype.element_ty)
         p = p.to(v.dtype)  # rounded to the input dtype for the tensor-core product, as flash-attn does
@@ -369,7 +409,7 @@ def _prefill_attention_kernel(
 
     out = acc / l_i[:, None]
     tl.store(
-        out_ptr + q_rows[:, None] * stride_o_token + row_head[:, None] * stride_o_head + dims[None, :] * stride_o_dim,
+        out_ptr + q_rows[:, None] * stride_o_token + row_head[:, None] * stride_o_head + v_dims[None, :] * stride_o_dim,
         out.to(out_ptr.dtype.element_ty),
-        mask=row_valid[:, None] & dim_valid[None, :],
+        mask=row_valid[:, None] & v_dim_valid[None, :],
     )

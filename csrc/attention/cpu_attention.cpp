@@ -18,6 +18,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -59,14 +60,17 @@ struct DecodeParams {
   int64_t q_stride_b, q_stride_h;  // elements; the head dim is contiguous
   const void* k_cache;
   const void* v_cache;
-  int64_t page_size, page_stride, token_stride;  // elements
-  int64_t group, head_dim;
+  int64_t page_size, page_stride, token_stride;  // elements, of k_cache
+  int64_t v_page_stride, v_token_stride;          // elements, of v_cache (its head dim may differ)
+  int64_t group, head_dim, v_head_dim;
   const int32_t* block_table;
   int64_t table_stride;
   float scale;
-  void* out;  // [batch, heads, head_dim] contiguous
+  float softcap;       // <= 0: none; else scores become softcap * tanh(score / softcap)
+  const float* sinks;  // nullptr: none; else [heads] sink logits joining every softmax's denominator
+  void* out;  // [batch, heads, v_head_dim] contiguous
   int64_t out_stride_b;
-  float* partials;   // per split chunk: num_rows x (max, sum, head_dim accumulators)
+  float* partials;   // per split chunk: num_rows x (max, sum, v_head_dim accumulators)
   int64_t num_rows;  // query heads
 };
 
@@ -74,6 +78,7 @@ struct DecodeItem {
   int64_t request, head_begin, head_end;  // kv heads [head_begin, head_end)
   int64_t begin, end;                     // key positions
   int64_t partial;  // -1: write the output directly; else the chunk's slot in DecodeParams::partials
+  bool first;       // the request's first chunk: the one that adds the sink (exactly once per request)
 };
 
 struct PrefillParams {
@@ -81,15 +86,18 @@ struct PrefillParams {
   int64_t q_stride_t, q_stride_h;
   const void* k_cache;
   const void* v_cache;
-  int64_t page_size, page_stride, token_stride;
-  int64_t group, head_dim;
+  int64_t page_size, page_stride, token_stride;  // of k_cache
+  int64_t v_page_stride, v_token_stride;          // of v_cache
+  int64_t group, head_dim, v_head_dim;
   const int32_t* block_table;
   int64_t table_stride;
   const int32_t* cu_seqlens_q;
   const int32_t* seq_lens_k;
   float scale;
-  int64_t window;  // <= 0: none
-  void* out;       // [num_tokens, heads, head_dim] contiguous
+  int64_t window;      // <= 0: none
+  float softcap;       // <= 0: none
+  const float* sinks;  // nullptr: none; else [heads]
+  void* out;           // [num_tokens, heads, v_head_dim] contiguous
   int64_t out_stride_t;
 };
 
@@ -156,14 +164,35 @@ void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache) {
   TORCH_CHECK_VALUE(k_cache.device().is_cpu() && v_cache.device().is_cpu(), "cbcore CPU attention: caches must be CPU tensors");
   TORCH_CHECK_VALUE(k_cache.dim() == 4, "cbcore CPU attention: k_cache must be [num_blocks, page_size, kv_heads, head_dim], got ",
                     k_cache.sizes());
-  TORCH_CHECK_VALUE(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+  // V may have its own head dim (multi-head latent attention: DeepSeek-V2/V3); everything else matches K's.
+  TORCH_CHECK_VALUE(v_cache.dim() == 4 && k_cache.sizes().slice(0, 3) == v_cache.sizes().slice(0, 3) &&
+                        k_cache.scalar_type() == v_cache.scalar_type(),
                     "cbcore CPU attention: k_cache ", k_cache.sizes(), " ", k_cache.scalar_type(), " and v_cache ",
-                    v_cache.sizes(), " ", v_cache.scalar_type(), " differ");
+                    v_cache.sizes(), " ", v_cache.scalar_type(), " differ (only the head dims may)");
   TORCH_CHECK_VALUE(k_cache.is_contiguous() && v_cache.is_contiguous(), "cbcore CPU attention: caches must be contiguous");
   TORCH_CHECK_VALUE(supported_dtype(k_cache.scalar_type()), "cbcore CPU attention: cache dtype ", k_cache.scalar_type(),
                     " is not supported (float32, bfloat16, float16)");
-  TORCH_CHECK_VALUE(k_cache.size(3) % 8 == 0, "cbcore CPU attention: head_dim must be a multiple of 8, got ",
-                    k_cache.size(3));
+  TORCH_CHECK_VALUE(k_cache.size(3) % 8 == 0 && v_cache.size(3) % 8 == 0,
+                    "cbcore CPU attention: head dims must be multiples of 8, got ", k_cache.size(3), " (K) and ",
+                    v_cache.size(3), " (V)");
+}
+
+// softcap: 0 for none, else a positive finite cap.
+float check_softcap(double softcap) {
+  TORCH_CHECK_VALUE(softcap == 0.0 || (softcap > 0.0 && std::isfinite(softcap)),
+                    "cbcore CPU attention: softcap must be 0 (none) or a positive finite number, got ", softcap);
+  return static_cast<float>(softcap);
+}
+
+// sinks: None, or [heads] fp32 contiguous on the CPU (cbcore/ops.py converts them).
+const float* check_sinks(const std::optional<at::Tensor>& sinks, int64_t heads) {
+  if (!sinks.has_value()) return nullptr;
+  const at::Tensor& t = *sinks;
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 1 && t.size(0) == heads &&
+                        t.is_contiguous(),
+                    "cbcore CPU attention: sinks must be a contiguous float32 CPU tensor [heads=", heads, "], got ",
+                    t.sizes(), " ", t.scalar_type(), " on ", t.device());
+  return t.const_data_ptr<float>();
 }
 
 void check_query(const at::Tensor& q, const at::Tensor& k_cache) {
@@ -206,7 +235,7 @@ void check_table_row(const int32_t* row, int64_t max_blocks, int64_t num_blocks,
 // sum(l_i e^(m_i - M)). merges holds (request, first partial slot, number of chunks).
 template <typename T>
 void merge_partials(const DecodeParams& P, const std::vector<std::array<int64_t, 3>>& merges) {
-  const int64_t R = P.num_rows, D = P.head_dim;
+  const int64_t R = P.num_rows, D = P.v_head_dim;
   at::parallel_for(0, static_cast<int64_t>(merges.size()), 4, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(static_cast<size_t>(D));
     for (int64_t i = begin; i < end; ++i) {
@@ -285,17 +314,19 @@ void cache_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_c
                  const at::Tensor& slot_mapping) {
   TORCH_CHECK_VALUE(k_cache.device().is_cpu() && v_cache.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
                     "cbcore cache_write: every tensor must be on the CPU");
-  TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+  TORCH_CHECK_VALUE(k_cache.dim() == 4 && v_cache.dim() == 4 &&
+                        k_cache.sizes().slice(0, 3) == v_cache.sizes().slice(0, 3) && k_cache.is_contiguous() &&
                         v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
                     "cbcore cache_write: k_cache and v_cache must be contiguous [num_blocks, page_size, kv_heads, "
-                    "head_dim] tensors of one shape and dtype");
+                    "head_dim] tensors of one dtype, differing in head_dim at most");
   TORCH_CHECK_VALUE(supported_dtype(k_cache.scalar_type()), "cbcore cache_write: cache dtype ", k_cache.scalar_type(),
                     " is not supported");
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  TORCH_CHECK_VALUE(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == k_cache.size(2) &&
-                        k.size(2) == k_cache.size(3),
+  TORCH_CHECK_VALUE(k.dim() == 3 && v.dim() == 3 && k.size(0) == v.size(0) && k.size(1) == k_cache.size(2) &&
+                        v.size(1) == v_cache.size(2) && k.size(2) == k_cache.size(3) && v.size(2) == v_cache.size(3),
                     "cbcore cache_write: k and v must be [num_tokens, ", k_cache.size(2), ", ", k_cache.size(3),
-                    "], got ", k.sizes(), " and ", v.sizes());
+                    "] and [num_tokens, ", v_cache.size(2), ", ", v_cache.size(3), "], got ", k.sizes(), " and ",
+                    v.sizes());
   TORCH_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0) && slot_mapping.device().is_cpu() &&
                         (slot_mapping.scalar_type() == at::kLong || slot_mapping.scalar_type() == at::kInt),
                     "cbcore cache_write: slot_mapping must be a 1-D integer CPU tensor of ", k.size(0),
@@ -317,13 +348,15 @@ void cache_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_c
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
-                            int64_t sliding_window) {
+                            int64_t sliding_window, double softcap, const std::optional<at::Tensor>& sinks) {
   check_caches(k_cache, v_cache);
   check_query(q, k_cache);
   const int64_t window = check_window(sliding_window);
+  const float cap = check_softcap(softcap);
+  const float* sink = check_sinks(sinks, q.size(1));
   const at::Tensor table = as_int32(block_table, "block_table", 2);
   const at::Tensor lens = as_int32(seq_lens, "seq_lens", 1);
-  const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2), v_head_dim = v_cache.size(3);
   const int64_t num_blocks = k_cache.size(0), page_size = k_cache.size(1), kv_heads = k_cache.size(2);
   TORCH_CHECK_VALUE(table.size(0) == batch && lens.size(0) == batch, "cbcore decode_attention: ", batch,
                     " queries but block_table has ", table.size(0), " rows and seq_lens ", lens.size(0), " entries");
@@ -359,21 +392,22 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
       const int64_t partial = first_chunk == last_chunk ? -1 : num_partials++;
       for (int64_t h = 0; h < kv_heads; h += heads_per_item)
         items.push_back({b, h, std::min(kv_heads, h + heads_per_item), std::max(begin, c * kDecodeChunk),
-                         std::min(n, (c + 1) * kDecodeChunk), partial});
+                         std::min(n, (c + 1) * kDecodeChunk), partial, c == first_chunk});
     }
   }
   std::stable_sort(items.begin(), items.end(), [](const DecodeItem& a, const DecodeItem& b) {
     return (a.end - a.begin) * (a.head_end - a.head_begin) > (b.end - b.begin) * (b.head_end - b.head_begin);
   });
 
-  at::Tensor out = at::empty({batch, heads, head_dim}, q.options());
-  std::vector<float> partials(static_cast<size_t>(num_partials * heads * (head_dim + 2)));
+  at::Tensor out = at::empty({batch, heads, v_head_dim}, q.options());
+  std::vector<float> partials(static_cast<size_t>(num_partials * heads * (v_head_dim + 2)));
   DecodeParams P{q.const_data_ptr(), q.stride(0), q.stride(1),
                  k_cache.const_data_ptr(), v_cache.const_data_ptr(),
                  page_size, k_cache.stride(0), k_cache.stride(1),
-                 group, head_dim,
+                 v_cache.stride(0), v_cache.stride(1),
+                 group, head_dim, v_head_dim,
                  rows, table.size(1),
-                 static_cast<float>(scale),
+                 static_cast<float>(scale), cap, sink,
                  out.data_ptr(), out.stride(0),
                  partials.data(), heads};
   const bool use_avx2 = active_isa().load() == Isa::kAvx2;
@@ -396,14 +430,17 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& block_table, const at::Tensor& cu_seqlens_q,
-                             const at::Tensor& seq_lens_k, double scale, int64_t sliding_window) {
+                             const at::Tensor& seq_lens_k, double scale, int64_t sliding_window, double softcap,
+                             const std::optional<at::Tensor>& sinks) {
   check_caches(k_cache, v_cache);
   check_query(q, k_cache);
   const int64_t window = check_window(sliding_window);
+  const float cap = check_softcap(softcap);
+  const float* sink = check_sinks(sinks, q.size(1));
   const at::Tensor table = as_int32(block_table, "block_table", 2);
   const at::Tensor cu = as_int32(cu_seqlens_q, "cu_seqlens_q", 1);
   const at::Tensor lens = as_int32(seq_lens_k, "seq_lens_k", 1);
-  const int64_t num_tokens = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_tokens = q.size(0), heads = q.size(1), head_dim = q.size(2), v_head_dim = v_cache.size(3);
   const int64_t num_blocks = k_cache.size(0), page_size = k_cache.size(1), kv_heads = k_cache.size(2);
   const int64_t batch = lens.size(0);
   TORCH_CHECK_VALUE(cu.size(0) == batch + 1 && table.size(0) == batch, "cbcore prefill_attention: seq_lens_k has ",
@@ -444,14 +481,15 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   sorted.reserve(items.size());
   for (size_t i : order) sorted.push_back(items[i]);
 
-  at::Tensor out = at::empty({num_tokens, heads, head_dim}, q.options());
+  at::Tensor out = at::empty({num_tokens, heads, v_head_dim}, q.options());
   PrefillParams P{q.const_data_ptr(), q.stride(0), q.stride(1),
                   k_cache.const_data_ptr(), v_cache.const_data_ptr(),
                   page_size, k_cache.stride(0), k_cache.stride(1),
-                  group, head_dim,
+                  v_cache.stride(0), v_cache.stride(1),
+                  group, head_dim, v_head_dim,
                   rows, table.size(1),
                   starts, len,
-                  static_cast<float>(scale), window,
+                  static_cast<float>(scale), window, cap, sink,
                   out.data_ptr(), out.stride(0)};
   const bool use_avx2 = active_isa().load() == Isa::kAvx2;
   dispatch_dtype(q.scalar_type(), [&](auto tag) {

@@ -11,6 +11,10 @@
 //   prefill           q [num_tokens, heads, head_dim] packed, cu_seqlens_q [batch + 1], seq_lens_k [batch];
 //                     request i's queries are the LAST q_len_i of its seq_lens_k[i] keys
 //   sliding_window    w >= 1 lets query position p see key k iff p - w < k <= p; -1 means no window
+//   softcap           c > 0: scores (q . k * scale) become c * tanh(score / c) before masking; 0 means none
+//   sinks             None, or [heads] fp32: a logit per query head that joins the softmax's denominator
+//                     (e^sink) and has no value (GPT-OSS); added once per request, in split-K by its first chunk
+//   v_cache's head dim may differ from k_cache's (multi-head latent attention); the output has V's
 //
 // q must have the cache's dtype and a contiguous last dimension (any other strides are fine); head_dim
 // must be a multiple of 8; heads a multiple of kv_heads. Scores, softmax and the weighted sum run in
@@ -42,6 +46,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
 #include <string>
 
 namespace cbcore {
@@ -52,15 +57,16 @@ namespace cpu {
 void cache_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& slot_mapping);
 
-// One query token per request against that request's pages. Returns [batch, heads, head_dim] in q's dtype.
+// One query token per request against that request's pages. Returns [batch, heads, v_head_dim] in q's dtype.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
-                            int64_t sliding_window);
+                            int64_t sliding_window, double softcap, const std::optional<at::Tensor>& sinks);
 
-// Packed bottom-right aligned causal attention over the pages. Returns [num_tokens, heads, head_dim].
+// Packed bottom-right aligned causal attention over the pages. Returns [num_tokens, heads, v_head_dim].
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& block_table, const at::Tensor& cu_seqlens_q,
-                             const at::Tensor& seq_lens_k, double scale, int64_t sliding_window);
+                             const at::Tensor& seq_lens_k, double scale, int64_t sliding_window, double softcap,
+                             const std::optional<at::Tensor>& sinks);
 
 // The instruction set the kernels run with: "avx2" or "generic".
 std::string isa();

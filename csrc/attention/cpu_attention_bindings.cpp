@@ -19,16 +19,18 @@ void register_cpu_attention_bindings(py::module_& m) {
         "dtype). Same result as cbcore.ops.cache_write_reference.");
   m.def("decode_attention", &cpu::decode_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("block_table"), py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window"),
-        py::call_guard<py::gil_scoped_release>(),
+        py::arg("softcap") = 0.0, py::arg("sinks") = py::none(), py::call_guard<py::gil_scoped_release>(),
         "Paged decode attention on the CPU: q [batch, heads, head_dim] against each request's seq_lens[b] keys, "
-        "read in place through block_table. sliding_window: -1 for none. Returns [batch, heads, head_dim]. Same "
-        "semantics as cbcore.ops.decode_attention_reference.");
+        "read in place through block_table. sliding_window: -1 for none; softcap: 0 for none; sinks: None or "
+        "[heads] float32 sink logits. Returns [batch, heads, v_head_dim]. Same semantics as "
+        "cbcore.ops.decode_attention_reference.");
   m.def("prefill_attention", &cpu::prefill_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("block_table"), py::arg("cu_seqlens_q"), py::arg("seq_lens_k"), py::arg("scale"),
-        py::arg("sliding_window"), py::call_guard<py::gil_scoped_release>(),
+        py::arg("sliding_window"), py::arg("softcap") = 0.0, py::arg("sinks") = py::none(),
+        py::call_guard<py::gil_scoped_release>(),
         "Packed causal prefill attention on the CPU (bottom-right aligned, optional sliding window; -1 for none), "
-        "reading the pages in place. Returns [num_tokens, heads, head_dim]. Same semantics as "
-        "cbcore.ops.prefill_attention_reference.");
+        "reading the pages in place; softcap (0: none) and sinks (None or [heads] float32) as in decode_attention. "
+        "Returns [num_tokens, heads, v_head_dim]. Same semantics as cbcore.ops.prefill_attention_reference.");
   m.def("cpu_attention_isa", &cpu::isa, "The instruction set the CPU attention kernels use: 'avx2' or 'generic'.");
   m.def("_set_cpu_attention_isa", &cpu::set_isa, py::arg("name"),
         "Tests and benchmarks: force 'generic' or 'avx2' (ValueError if unavailable), or 'auto'.");

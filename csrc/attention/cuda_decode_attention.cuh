@@ -15,6 +15,10 @@
 //   2. softmax statistics: per-head max and sum of exp2(score - max) over the split, in a fixed order.
 //   3. values: the same lane mapping reads V rows and accumulates probability * V in registers; partial sums of the
 //      token groups and warps are added in a fixed order.
+// Soft-capping (Gemma-2) bends each score as it is written in phase 1, before anything masks or sums it. A sink
+// (GPT-OSS) is one more softmax term e^sink with no value: it joins the denominator once per request, where the
+// request's output is normalised (the direct write of a one-split request, or the merge), never in a split's
+// partial state, so split-K cannot count it twice.
 // Each lane keeps U loads of 16 bytes in flight per phase (unrolled), and the many CTAs of split-K keep the memory
 // system busy. Every reduction has a fixed shape, so results are reproducible run to run; with a fixed split size
 // (deterministic mode) they are also independent of what else is in the batch.
@@ -160,7 +164,9 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_split_kernel(const D
         for (int e = 0; e < EPL; ++e) acc = fmaf(q[g][e], k[e], acc);
         dot[g] = acc;
       }
-      const float s = reduce_scatter_heads<GPAD, GS>(dot, lig);
+      float s = reduce_scatter_heads<GPAD, GS>(dot, lig);
+      // softcap * tanh(x / softcap) on the natural-log score x, written in the log2 domain (both sides times log2 e).
+      if (p.softcap_log2 > 0.f) s = p.softcap_log2 * tanhf(s / p.softcap_log2);
       const int i = base + u * TPW + sub;
       if (i < n && lig % LANES_PER_HEAD == 0) scores[i * GPAD + lig / LANES_PER_HEAD] = s;
     }
@@ -276,7 +282,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_split_kernel(const D
     float a = 0.f;
 #pragma unroll
     for (int w = 0; w < NW; ++w) a += red_acc[(w * GPAD + g) * D + d];
-    const float l = stat_sum[g];
+    float l = stat_sum[g];
+    // The sink's term relative to this split's max; a sink far above every score gives inf here and the output 0,
+    // its limit. Only the request's normalisation adds it: here for a one-split request, else in the merge.
+    if (direct && p.sinks != nullptr) l += exp2f(p.sinks[head0 + g] * kLog2e - stat_max[g]);
     const float o = l > 0.f ? a / l : 0.f;
     const int64_t bh = static_cast<int64_t>(b) * p.num_heads + head0 + g;
     if (direct) {
@@ -292,7 +301,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_split_kernel(const D
   }
 }
 
-// Merges the splits of every request with more than one: out = sum_s w_s o_s / sum_s w_s with
+// Merges the splits of every request with more than one: out = sum_s w_s o_s / (sum_s w_s [+ exp2(sink - max)]) with
 // w_s = sum_s * exp2(max_s - max), summed in split order by every thread (no order depends on the launch).
 template <typename T>
 __global__ void __launch_bounds__(kMergeThreads) decode_merge_kernel(const DecodeParams p, int head_dim) {
@@ -339,6 +348,7 @@ __global__ void __launch_bounds__(kMergeThreads) decode_merge_kernel(const Decod
       }
     }
   }
+  if (p.sinks != nullptr) total += exp2f(p.sinks[head] * kLog2e - m);
   T* out = static_cast<T*>(p.out) + bh * head_dim;
 #pragma unroll
   for (int k = 0; k < kMaxPerThread; ++k) {

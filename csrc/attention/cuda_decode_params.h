@@ -40,6 +40,8 @@ struct DecodeParams {
   int max_splits;
   int max_pages_per_split;
   float scale_log2;           // softmax scale * log2(e)
+  float softcap_log2;         // <= 0: none; else softcap * log2(e): scores s (log2 domain) become c * tanh(s / c)
+  const float* sinks;         // nullptr: none; else [H] sink logits (natural log), one more softmax term, no value
 };
 
 // The keys a request's query sees, and how many splits cover them; shared by both kernels and the host.

@@ -127,7 +127,8 @@ int decode_split_tokens(int64_t work_units, int64_t span, bool deterministic, in
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
-                            int64_t sliding_window, bool deterministic) {
+                            int64_t sliding_window, bool deterministic, double softcap,
+                            const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.is_cuda(), "decode_attention: q must be a CUDA tensor, got one on ", q.device(),
               " (the CPU path is cbcore.ops / cbcore._C)");
   const at::Device device = q.device();
@@ -190,6 +191,15 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
               "decode_attention: sliding_window must be -1 (none) or a positive number of keys, got ",
               sliding_window);
   TORCH_CHECK(std::isfinite(scale), "decode_attention: scale must be finite, got ", scale);
+  TORCH_CHECK(softcap == 0.0 || (softcap > 0.0 && std::isfinite(softcap)),
+              "decode_attention: softcap must be 0 (none) or a positive finite number, got ", softcap);
+  if (sinks.has_value()) {
+    check_cuda_tensor(*sinks, "sinks", device);
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->dim() == 1 && sinks->size(0) == q.size(1) &&
+                    sinks->is_contiguous(),
+                "decode_attention: sinks must be a contiguous float32 tensor [heads=", q.size(1), "], got ",
+                sinks->sizes(), " ", sinks->scalar_type());
+  }
   TORCH_CHECK(batch <= 65535, "decode_attention: at most 65535 requests per call, got ", batch);
 
   at::Tensor out = at::empty({batch, num_heads, head_dim}, q.options().memory_format(at::MemoryFormat::Contiguous));
@@ -240,6 +250,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   p.max_splits = plan.max_splits;
   p.max_pages_per_split = plan.max_pages_per_split;
   p.scale_log2 = static_cast<float>(scale) * kLog2e;
+  p.softcap_log2 = static_cast<float>(softcap) * kLog2e;
+  p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
 
   TORCH_CHECK(plan.smem_bytes <= 48 * 1024, "decode_attention: internal error, ", plan.smem_bytes,
               " bytes of shared memory needed");

@@ -8,6 +8,7 @@
 #include <c10/util/ArrayRef.h>
 
 #include <cstdint>
+#include <optional>
 
 namespace cbcore {
 namespace cuda {
@@ -26,10 +27,12 @@ void cache_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_c
 // Paged decode: q [B, H, D] (one token per request) against each request's seq_lens[b] keys, found through
 // block_table [B, max_blocks] (int32). sliding_window -1: none; else the query at position len - 1 sees keys
 // k > len - 1 - window. deterministic: fixed split size, so the result of a request is bitwise independent of the
-// batch it is in. Returns [B, H, D] in q's dtype.
+// batch it is in. softcap 0: none; else scores s become softcap * tanh(s / softcap) before the softmax. sinks: None,
+// or [H] float32 sink logits joining each request's softmax denominator (no value). Returns [B, H, D] in q's dtype.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
-                            int64_t sliding_window, bool deterministic);
+                            int64_t sliding_window, bool deterministic, double softcap,
+                            const std::optional<at::Tensor>& sinks);
 
 // Keys per split that decode_attention uses for `work_units` = batch x kv_heads x head chunks CTAs per split and a
 // longest possible key range of `span` tokens, on a device with `num_sms` multiprocessors.

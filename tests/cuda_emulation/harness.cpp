@@ -3,7 +3,9 @@
 // at emu_smem_buffer instead, then builds this file with the host compiler.
 //
 // usage: harness DIR DTYPE(f32|bf16) B H KVH D PAGE TABLE_WIDTH NUM_BLOCKS WINDOW DETERMINISTIC TARGET_CTAS SCALE
-// reads DIR/{q,k,v,table,lens}.bin (raw, row-major), writes DIR/out.bin, prints the launch plan on stderr.
+//                [SOFTCAP]
+// reads DIR/{q,k,v,table,lens}.bin (raw, row-major) and DIR/sinks.bin (H floats) when it exists, writes DIR/out.bin,
+// prints the launch plan on stderr. SOFTCAP 0 or absent: none.
 #include <cstdio>
 #include <fstream>
 #include <thread>
@@ -56,7 +58,9 @@ int main(int argc, char** argv) {
   std::string dir = argv[1], dtype = argv[2];
   int B = atoi(argv[3]), H = atoi(argv[4]), KVH = atoi(argv[5]), D = atoi(argv[6]), page = atoi(argv[7]);
   int width = atoi(argv[8]), nblocks = atoi(argv[9]), window = atoi(argv[10]), det = atoi(argv[11]);
-  long target = atol(argv[12]); float scale = atof(argv[13]);
+  long target = atol(argv[12]); float scale = atof(argv[13]); float softcap = argc > 14 ? atof(argv[14]) : 0.f;
+  std::vector<float> sinks;
+  if (std::ifstream(dir + "/sinks.bin").good()) sinks = read<float>(dir + "/sinks.bin");
   auto q = read<uint8_t>(dir + "/q.bin"); auto k = read<uint8_t>(dir + "/k.bin"); auto v = read<uint8_t>(dir + "/v.bin");
   auto table = read<int32_t>(dir + "/table.bin"); auto lens = read<int32_t>(dir + "/lens.bin");
   const DecodePlan plan = plan_decode(B, H, KVH, D, page, width, window, det, target);
@@ -71,6 +75,8 @@ int main(int argc, char** argv) {
   p.log2_page = plan.log2_page; p.table_width = width; p.num_cache_blocks = nblocks; p.window = plan.window;
   p.split_tokens = plan.split_tokens; p.max_splits = plan.max_splits; p.max_pages_per_split = plan.max_pages_per_split;
   p.scale_log2 = scale * kLog2e;
+  p.softcap_log2 = softcap * kLog2e;
+  p.sinks = sinks.empty() ? nullptr : sinks.data();
   if (plan.smem_bytes > int(sizeof(emu_smem_buffer))) { fprintf(stderr, "smem too big\n"); return 1; }
   fprintf(stderr, "plan: gpad=%d chunks=%d split=%d max_splits=%d grid=(%u,%u,%u) smem=%d\n", plan.gpad, plan.num_head_chunks,
           plan.split_tokens, plan.max_splits, plan.grid_x, plan.grid_y, plan.grid_z, plan.smem_bytes);
