@@ -2,7 +2,8 @@
 block bookkeeping of each request (block table, prefix-cache commits).
 
 Layout: `[num_blocks, page_size, num_kv_heads, head_dim]` per layer, the layout `flash_attn_with_kvcache` takes with
-a block table. Token t of a request lives at `(block_table[t // page_size], t % page_size)`.
+a block table. Token t of a request lives at `(block_table[t // page_size], t % page_size)`. V pages have V's head dim,
+which differs from K's in multi-head latent attention (DeepSeek-V2/V3, MiniCPM3).
 
 Who holds a block reference (the allocator counts them; `check()` proves the count):
 
@@ -43,23 +44,79 @@ class CacheShape:
 
     num_layers: int
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # K's (and the queries')
     dtype: torch.dtype
+    v_head_dim: int | None = None  # V's when it differs from K's (multi-head latent attention); None: head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        """The head dim of the V pages."""
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
     @property
     def bytes_per_token(self) -> int:
         """K and V over every layer."""
         element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+        return self.num_layers * self.num_kv_heads * (self.head_dim + self.value_head_dim) * element
 
     @classmethod
     def from_model_config(cls, config, dtype: torch.dtype) -> CacheShape:
-        """Layers, KV heads and head dim of a transformers text config."""
+        """Layers, KV heads and K/V head dims of a transformers text config.
+
+        ValueError, naming the config and the field, when the dims cannot be derived exactly: one shape must hold for
+        every layer (a heterogeneous config whose layers differ in them, e.g. Gemma-4's global layers, is refused).
+        """
         config = config.get_text_config()
-        num_heads = config.num_attention_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        return cls(config.num_hidden_layers, num_kv_heads, head_dim, dtype)
+        if getattr(config, "is_heterogeneous", False):
+            per_layer = [_attention_dims(layer) for layer in config.per_layer_config]
+            if len(set(per_layer)) > 1:
+                first_layer: dict[tuple[int, int, int], int] = {}
+                for i, dims in enumerate(per_layer):
+                    first_layer.setdefault(dims, i)
+                raise ValueError(
+                    f"{type(config).__name__}: the layers' attention shapes differ (kv heads, K head dim, V head dim: "
+                    + ", ".join(f"{dims} from layer {i}" for dims, i in first_layer.items())
+                    + "); cbcore's KV cache holds one shape for every layer, so this model is not supported"
+                )
+            num_kv_heads, head_dim, v_head_dim = per_layer[0]
+        else:
+            num_kv_heads, head_dim, v_head_dim = _attention_dims(config)
+        return cls(config.num_hidden_layers, num_kv_heads, head_dim, dtype,
+                   None if v_head_dim == head_dim else v_head_dim)
+
+
+def _attention_dims(config) -> tuple[int, int, int]:
+    """(kv heads, K head dim, V head dim) of the K/V that one layer hands its attention function."""
+    name = type(config).__name__
+
+    def positive(field: str, value) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}.{field} is {value!r}; cbcore needs a positive integer to size its KV cache")
+        return value
+
+    num_heads = positive("num_attention_heads", getattr(config, "num_attention_heads", None))
+    nope, rope = getattr(config, "qk_nope_head_dim", None), getattr(config, "qk_rope_head_dim", None)
+    if nope is not None and rope is not None:
+        # Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3): transformers expands the latent into per-head K/V
+        # before calling attention (DeepseekV3Attention.expand_kv): one K/V head per query head, K = nope + rope
+        # dims, V = v_head_dim. config.head_dim is only the rotary part there, not K's head dim.
+        v_head_dim = positive("v_head_dim", getattr(config, "v_head_dim", None))
+        return num_heads, positive("qk_nope_head_dim", nope) + positive("qk_rope_head_dim", rope), v_head_dim
+    num_kv_heads = positive("num_key_value_heads", getattr(config, "num_key_value_heads", None) or num_heads)
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None:
+        hidden = positive("hidden_size", getattr(config, "hidden_size", None))
+        if hidden % num_heads:
+            raise ValueError(f"{name}: hidden_size {hidden} is not a multiple of num_attention_heads {num_heads} and "
+                             "head_dim is unset; cbcore cannot derive the head dim of its KV cache")
+        head_dim = hidden // num_heads
+    head_dim = positive("head_dim", head_dim)
+    v_head_dim = getattr(config, "v_head_dim", None)
+    if v_head_dim is not None and v_head_dim != head_dim:
+        # A V head dim without the latent-attention fields: how the model shapes its V is not known here.
+        raise ValueError(f"{name}: v_head_dim {v_head_dim} differs from head_dim {head_dim} outside multi-head latent "
+                         "attention (no qk_nope_head_dim / qk_rope_head_dim); cbcore cannot derive its KV cache shape")
+    return num_kv_heads, head_dim, head_dim
 
 
 def plan_num_blocks(
@@ -117,8 +174,10 @@ class PagedKVCache:
         self.device = device
         self.allow_prefix_sharing = allow_prefix_sharing
         page_shape = (num_blocks, page_size, shape.num_kv_heads, shape.head_dim)
+        value_page_shape = (*page_shape[:3], shape.value_head_dim)
         self.key_caches = [torch.zeros(page_shape, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
-        self.value_caches = [torch.zeros(page_shape, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
+        self.value_caches = [torch.zeros(value_page_shape, dtype=shape.dtype, device=device)
+                             for _ in range(shape.num_layers)]
         self.allocator = BlockAllocator(num_blocks, page_size)
         self.swap: HostSwap | None = None
         # What each hashed block was committed under: block -> (parent block, parent's generation then, tokens). Lets
@@ -130,6 +189,13 @@ class PagedKVCache:
     def enable_swap(self, num_host_blocks: int) -> None:
         """Attach a host pool of `num_host_blocks` blocks: preempted requests may then be swapped out."""
         shape = self.shape
+        if shape.value_head_dim != shape.head_dim:
+            # The host pool (cbcore/swap.py, csrc/swap) holds one block shape for K and V alike.
+            raise NotImplementedError(
+                f"swapping to host memory is not implemented for a V head dim ({shape.value_head_dim}) other than K's "
+                f"({shape.head_dim}), as in multi-head latent attention; set cpu_offload_space=0 (preempted requests "
+                "are then recomputed, with the same output)"
+            )
         self.swap = HostSwap(
             shape.num_layers, num_host_blocks, self.page_size, shape.num_kv_heads, shape.head_dim, shape.dtype,
             self.key_caches, self.value_caches,

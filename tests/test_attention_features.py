@@ -4,7 +4,8 @@ every backend or refused, never ignored).
 - Logit soft-capping (`softcap`): a tiny Gemma-2 with `attn_logit_softcapping` small enough to bend its scores.
 - Attention sinks (`s_aux`): a tiny GPT-OSS (MoE, 4 experts) whose sink logits are scaled up so they take a real share
   of every softmax.
-Both alternate sliding-window and full layers, so the window combines with each feature. Greedy tokens through cbcore
+- A V head dim other than K's: a tiny DeepSeek-V3 (multi-head latent attention: K 24 = 16 + 8 rotary, V 16).
+Gemma-2 and GPT-OSS alternate sliding-window and full layers, so the window combines with each feature. Greedy tokens through cbcore
 (fp32, chunked prefill, page-crossing prompts) equal `model.generate` run on each prompt alone with the model's own
 attention (eager: neither model supports sdpa in transformers). Each model is first shown to depend on its feature:
 without it, `model.generate` gives other tokens.
@@ -20,7 +21,8 @@ import functools
 
 import pytest
 import torch
-from transformers import Gemma2Config, Gemma2ForCausalLM, GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma2Config, Gemma2ForCausalLM, GptOssConfig,
+                          GptOssForCausalLM, LlamaConfig, LlamaForCausalLM)
 
 import cbcore
 from cbcore import attention
@@ -144,6 +146,37 @@ def test_generate_batch_equals_generate(kind) -> None:
     outputs = model.generate_batch(prompts(), generation_config=greedy_config(MAX_NEW_TOKENS),
                                    continuous_batching_config=cbcore.ContinuousBatchingConfig(page_size=8))
     assert [output.generated_tokens for output in outputs.values()] == [list(want) for want in expected(kind)]
+
+
+@functools.cache
+def deepseek_v3() -> torch.nn.Module:
+    """DeepSeek-V3 (MoE, latent attention): per head, K = 16 + 8 rotary dims, V = 16."""
+    torch.manual_seed(1234)
+    config = DeepseekV3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                              num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                              q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                              v_head_dim=16, max_position_embeddings=1024)
+    model = DeepseekV3ForCausalLM(config).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@pytest.mark.parametrize("kernels", ["auto", "reference"])
+def test_latent_attention_with_its_own_v_head_dim_equals_generate(monkeypatch, kernels) -> None:
+    """model.generate runs the model's own attention (sdpa); cbcore's cache holds 24-dim K and 16-dim V pages. The
+    host pool holds one block shape for K and V, so swap is off (cpu_offload_space=0; see PagedKVCache.enable_swap)."""
+    monkeypatch.setenv("CBCORE_KERNELS", kernels)
+    model = deepseek_v3()
+    config = greedy_config(MAX_NEW_TOKENS)
+    want = [reference_tokens(model, prompt, config) for prompt in prompts()]
+    outputs, manager = run_engine(model, prompts(), config, cbcore.ContinuousBatchingConfig(
+        page_size=4, max_batch_tokens=16, cpu_offload_space=0))
+    assert tuple(manager.cache.key_caches[0].shape[2:]) == (4, 24)
+    assert tuple(manager.cache.value_caches[0].shape[2:]) == (4, 16)
+    for output, tokens in zip(outputs.values(), want):
+        assert output.status == cbcore.RequestStatus.FINISHED, output.error
+        assert output.generated_tokens == tokens, f"{output.request_id} ({len(output.prompt_ids)}-token prompt)"
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
