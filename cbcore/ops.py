@@ -251,7 +251,7 @@ def decode_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query token per request against that request's pages. Returns `[batch, heads, head_dim]`.
+    """One query token per request against that request's pages. Returns `[batch, heads, v_head_dim]`.
 
     softcap, sinks: see the module docstring (None: off)."""
     cap = _softcap(softcap)
@@ -291,7 +291,7 @@ def prefill_attention(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Packed causal attention: each request's new queries over its cached prefix plus its new keys (already
-    written to the pages). Returns `[num_tokens, heads, head_dim]`.
+    written to the pages). Returns `[num_tokens, heads, v_head_dim]`.
 
     softcap, sinks: see the module docstring (None: off)."""
     cap = _softcap(softcap)

@@ -306,6 +306,13 @@ def test_generic_copy_matches_reference_too() -> None:
             k_lens, q_lens = prefill_lengths(16)
             got, want = prefill_case(k_lens, q_lens, 16, 16, 4, 64, 7, dtype)
             assert_matches_reference(got, want, dtype)
+            # Soft-capping, sinks and a V head dim of its own, in the portable copy too.
+            got, want = decode_case(ragged_lengths(16), 16, 16, 4, 64, 7, dtype, softcap=0.7, sinks=True,
+                                    v_head_dim=32)
+            assert_matches_reference(got, want, dtype)
+            got, want = prefill_case(k_lens, q_lens, 16, 16, 4, 64, None, dtype, softcap=0.7, sinks=True,
+                                     v_head_dim=32)
+            assert_matches_reference(got, want, dtype)
     finally:
         _C._set_cpu_attention_isa("auto")
 
@@ -395,6 +402,17 @@ def test_queries_with_a_strided_last_dimension_still_use_the_kernel(monkeypatch)
     monkeypatch.setenv("CBCORE_KERNELS", "cpu")
     got = ops.decode_attention(q_strided, k_cache, v_cache, table, lens, scale)
     assert torch.equal(got, _C.decode_attention(q, k_cache, v_cache, table, lens, scale, -1))
+
+
+def test_softcap_and_model_dtype_sinks_run_the_cpu_kernel(monkeypatch) -> None:
+    """No fallback for the features: ops hands them to the kernel (sinks converted from the model's dtype to fp32)."""
+    q, k_cache, v_cache, table, lens, scale = small_decode_inputs()
+    sinks = torch.tensor([1.5, -0.5, 3.0, 0.25], dtype=torch.bfloat16)
+    monkeypatch.setenv("CBCORE_KERNELS", "cpu")
+    got = ops.decode_attention(q, k_cache, v_cache, table, lens, scale, None, 0.7, sinks)
+    assert torch.equal(got, _C.decode_attention(q, k_cache, v_cache, table, lens, scale, -1, 0.7, sinks.float()))
+    torch.testing.assert_close(got, ops.decode_attention_reference(q, k_cache, v_cache, table, lens, scale, None, 0.7,
+                                                                   sinks), atol=1e-5, rtol=1e-5)
 
 
 def test_available_backends_reports_the_cpu_kernels(monkeypatch) -> None:
