@@ -84,13 +84,16 @@ class PackedLinears:
 
     @classmethod
     def attach(cls, model: torch.nn.Module) -> PackedLinears | None:
-        """Pack every CPU fp32/bf16 linear of `model`; None when packing is off, unavailable or nothing qualifies."""
+        """Pack every CPU fp32/bf16 `nn.Linear` of `model` (exactly that class, never a subclass); None when packing
+        is off, unavailable or nothing qualifies."""
         if not packing_enabled() or not packing_available():
             return None
         modules = [
             m
             for m in model.modules()
-            if isinstance(m, torch.nn.Linear)
+            # Exactly nn.Linear: a subclass may do more than F.linear in its own forward (a router returning a tuple,
+            # an LM head with a learned logit scale), which the packed forward would silently drop.
+            if type(m) is torch.nn.Linear
             and m.weight.device.type == "cpu"
             and m.weight.dtype in _PACKABLE_DTYPES
             and "forward" not in m.__dict__  # someone else already replaced this instance's forward

@@ -110,3 +110,38 @@ def test_prefix_cache_is_not_shared_across_a_weight_change(offload) -> None:
     assert after == before, "a prefix cached under the old weights was shared"
     got = [outputs[rid].generated_tokens for rid in request_ids]
     assert got == [reference_tokens(model, p, greedy_config(5)) for p in prompts]
+
+
+class _ScaledHead(torch.nn.Linear):
+    """A linear subclass whose forward does more than F.linear (a learned logit scale, as some LM heads have)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.scale = torch.nn.Parameter(torch.tensor(3.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
+
+
+class _Router(torch.nn.Linear):
+    """A linear subclass returning a tuple, as MoE routers do."""
+
+    def forward(self, x: torch.Tensor):
+        logits = super().forward(x)
+        return logits, logits.softmax(-1)
+
+
+def test_only_exact_linear_modules_are_packed_never_subclasses() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"plain": torch.nn.Linear(16, 8), "head": _ScaledHead(16, 8), "router": _Router(16, 4)})
+    x = torch.randn(3, 16)
+    head_expected, router_expected = model["head"](x), model["router"](x)
+    packed = PackedLinears.attach(model)
+    try:
+        assert packed is not None and packed.modules == [model["plain"]]
+        with paged_step():
+            assert torch.equal(model["head"](x), head_expected)  # the scale is kept
+            logits, probs = model["router"](x)  # still a tuple
+        assert torch.equal(logits, router_expected[0]) and torch.equal(probs, router_expected[1])
+    finally:
+        packed.detach()
