@@ -42,6 +42,7 @@ from . import attention, request_inputs
 from .cache import CacheShape, PagedKVCache, plan_num_blocks, useful_blocks
 from .config import ContinuousBatchingConfig, as_cbcore_config
 from .linear import PackedLinears
+from .model_support import check_model_supported, self_check, self_check_enabled
 from .outputs import OutputRouter
 from .requests import GenerationOutput, RequestState, RequestStatus, child_request_id
 from .runner import ModelRunner
@@ -172,8 +173,13 @@ class ContinuousBatchingManager:
     def _prepare_generation_config(self) -> GenerationConfig:
         """The generation config as `model.generate` prepares it, refusing what cbcore does not implement."""
         try:
+            # Not `prepared.validate()`: it refuses greedy num_return_sequences > 1, which transformers' continuous
+            # batching serves (identical children), and so does cbcore.
             prepared, _ = self.model._prepare_generation_config(self.generation_config)
-            prepared.validate(strict=False)
+            # Special tokens as tensors (min_new_tokens needs them), then the processors once, as `model.generate`
+            # builds them: a value they refuse (a negative temperature, ...) is refused here, not at the first step.
+            self.model._prepare_special_tokens(prepared, kwargs_has_attention_mask=True, device=self.model.device)
+            self.model._get_logits_processor(prepared, input_ids_seq_length=1, device=self.model.device)
         except (ValueError, TypeError) as error:
             raise ValueError(f"invalid GenerationConfig: {error}") from error
         mode = prepared.get_generation_mode()
@@ -277,7 +283,6 @@ class ContinuousBatchingManager:
             safety_margin=cfg.safety_margin,
         )
         generation_config = self._prepared_generation_config
-        self.model._prepare_special_tokens(generation_config, kwargs_has_attention_mask=True, device=device)
 
         def processors_for(prompt_length: int, max_new_tokens: int | None, overrides: dict):
             # As `model.generate` prepares a call: max_length counts from this prompt, so length-dependent
@@ -310,6 +315,7 @@ class ContinuousBatchingManager:
         """Build the engine (cache, scheduler, runner) ahead of the first request. cbcore has no CUDA graphs to
         capture yet, so this is all warmup does."""
         self._refuse_if_destroyed("warmup")
+        check_model_supported(self.model)  # a model cbcore cannot serve exactly is refused before anything is built
         if self.cache is None or self._engine_needs_rebuild:
             self._build_engine()
         self.warmed_up = True
@@ -333,9 +339,12 @@ class ContinuousBatchingManager:
             logger.warning("Manager thread is already running.")
             return
         try:
+            check_model_supported(self.model)  # before the model is touched or the engine built
             if self.cache is None or self._engine_needs_rebuild:
                 self._build_engine()
             self._attach_to_model()
+            if self_check_enabled():  # cbcore's paged path against the model's own forward, before any request
+                self_check(self.model, self._original_attn_impl)
         except BaseException:
             self._restore_attn()
             raise

@@ -36,8 +36,10 @@ GIB = 2**30
 
 def plan_num_host_blocks(offload_space_gib: float | None, safety_threshold: float, bytes_per_block: int) -> int:
     """Host blocks for `cpu_offload_space` GiB, capped at `safety_threshold` of the machine's RAM (as transformers;
-    None takes the whole cap)."""
-    cap = safety_threshold * psutil.virtual_memory().total
+    None takes the whole cap) and, unlike transformers, at `safety_threshold` of the memory *available* now: the pool
+    is zero-filled at start, so a cap on total RAM alone could take memory that other processes hold."""
+    memory = psutil.virtual_memory()
+    cap = safety_threshold * min(memory.total, memory.available)
     wanted = cap if offload_space_gib is None else min(offload_space_gib * GIB, cap)
     return int(wanted // bytes_per_block)
 
