@@ -8,6 +8,7 @@ tensor), so a chunked prefill that does not reach the end of its prompt costs no
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -88,9 +89,15 @@ class ModelRunner:
         return input_ids, positions.view(1, -1).to(device), step, emit_rows, [ordered[i] for i in emitting]
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> StepResult:
-        """Run one forward over `batch` and sample a token for every request that emits one."""
+    def forward(
+        self, batch: ScheduledBatch, step_hook: Callable[[StepMetadata], StepMetadata] | None = None
+    ) -> tuple[torch.Tensor | None, list[ScheduledRequest]]:
+        """Run the model's forward over `batch`: the logits `[len(emitted), vocab]` of the emitting rows (None when
+        no row emits) and the requests they belong to. `step_hook` may wrap the step metadata before the forward
+        (the start-up self-check counts attention calls through it, cbcore/model_support.py)."""
         input_ids, position_ids, step, emit_rows, emitted = self.prepare(batch)
+        if step_hook is not None:
+            step = step_hook(step)
         # logits_to_keep needs at least one row; a step of mid-prompt chunks keeps the last row and discards it.
         rows_to_keep = emit_rows if emit_rows else [input_ids.shape[1] - 1]
         with paged_step():
@@ -101,9 +108,20 @@ class ModelRunner:
                 logits_to_keep=torch.tensor(rows_to_keep, dtype=torch.long, device=self.device),
                 **{STEP_KWARG: step},
             )
+        logits = output.logits[0]
+        if logits.shape[0] != len(rows_to_keep):
+            # A model that ignores logits_to_keep would have every row sampled from the wrong position.
+            raise RuntimeError(
+                f"{type(self.model).__name__} returned logits for {logits.shape[0]} rows, but cbcore asked for "
+                f"{len(rows_to_keep)} (logits_to_keep); this model is not supported"
+            )
+        return (logits if emitted else None), emitted
+
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        """Run one forward over `batch` and sample a token for every request that emits one."""
+        logits, emitted = self.forward(batch)
         if not emitted:
             return StepResult([], [], None)
-        logits = output.logits[0]
         tokens, logprobs = self.sampler.sample(
             logits,
             [item.state.all_tokens for item in emitted],

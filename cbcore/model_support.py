@@ -1,0 +1,412 @@
+"""Can cbcore serve this model exactly? Decided before the first request, never guessed.
+
+cbcore runs a transformers model's own forward over a packed, padding-free batch and replaces only its attention
+(DESIGN.md §8). That is exact for a model whose every layer attends through transformers' `AttentionInterface`, once
+per forward, with the positions and the kwargs cbcore hands down, and whose only per-request state is K/V. Anything
+else gives wrong tokens without an error, so it must be refused. Two lines of defence:
+
+1. `check_model_supported(model)`: structural checks, before the model is touched or the engine built. It reads the
+   model's modules, signatures and config, not a list of model names. Refused, each with its reason:
+   - layers that keep a recurrent or convolutional per-request state (Mamba, short convolutions, gated delta-nets,
+     linear attention, RG-LRU, RWKV, xLSTM: hybrids such as Qwen3-Next, Jamba, Bamba, Falcon-H1, LFM2, Granite-4
+     hybrid, Nemotron-H, MiniMax, Zamba2, RecurrentGemma), or no attention heads at all: they need a per-request
+     state cache, which cbcore does not have yet;
+   - `layer_types` entries other than full or sliding-window attention (chunked attention, linear attention, ...);
+   - attention modules without a `layer_idx` (a shared block), or fewer/more attention layers than the cache has;
+   - a sliding window set in the config but not passed to the attention function (it lives only in the mask);
+   - a forward without `position_ids` (positions computed from a cache length: BART-family decoders), without
+     `logits_to_keep` (Whisper, TrOCR decoders), or that drops the keyword arguments cbcore's step travels in.
+2. `self_check(model, ...)`: the safety net for what structure cannot see. A short prompt pair runs through cbcore's
+   own paged path (the real `Scheduler`, `ModelRunner`, `PagedKVCache` and kernels, on a throwaway cache: chunked
+   prefill, mixed prefill/decode steps, decodes over several pages) and its logits are compared with the model's own
+   forward (`use_cache=False`, the model's original attention implementation) on the same tokens. Every layer's
+   cbcore attention must be called exactly once per forward with cbcore's step data. Anything else (logits beyond
+   the dtype's tolerance, a layer attended twice or never, an exception inside the step) raises
+   `UnsupportedModelError` naming the model class and what was seen. This is what refuses attention that does not
+   go through `AttentionInterface` (Bloom, Falcon, GPT-Neo, MPT: cbcore's attention is never called) and models
+   that call one attention module several times per forward (DiffLlama). The manager runs it once per model (and dtype
+   and device) at `start()`; it costs two short forwards of the model plus a few small steps
+   (about 0.3 s for SmolLM2-135M in fp32 on 2 CPU cores). `CBCORE_SELF_CHECK=0` skips it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import weakref
+from collections.abc import Iterator
+
+import torch
+
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+SELF_CHECK_ENV = "CBCORE_SELF_CHECK"
+
+# Module classes whose layer keeps a per-request recurrent/convolutional state that a KV cache cannot hold. Matched on
+# the class name because these layers share no base class in transformers; the names are the field's vocabulary.
+_STATEFUL_LAYER = re.compile(
+    r"Mamba|ShortConv|GatedDeltaNet|DeltaNet|LinearAttention|LightningAttention|RecurrentBlock|Rglru|RGLRU|Rwkv|"
+    r"xLSTM|mLSTM|sLSTM|SSM|Ssm|StateSpace|LinearAttn|GatedLinear|Recurrent"
+)
+
+# Tolerance of the self-check on logits, relative to the reference's largest |logit| (at least 1): sums in another
+# order (kernels, packed linears) move fp32 logits by ~1e-5 relative and bf16 ones by ~1e-2; a model served wrongly
+# moves them by O(1).
+_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.float16: 3e-2, torch.bfloat16: 6e-2}
+
+# The self-check's throwaway engine: 8-token pages so that short prompts cross pages, a 7-token step budget so that
+# the long prompt is chunked (8 + 8 + 4) and steps mix prefill and decode rows, 3 decode steps per request.
+_CHECK_PAGE_SIZE = 8
+_CHECK_BATCH_TOKENS = 7
+_CHECK_PROMPT_LENGTHS = (19, 5)
+_CHECK_DECODE_STEPS = 3
+
+
+class UnsupportedModelError(NotImplementedError):
+    """cbcore cannot serve this model exactly; the message names the model class, the reason and what to do."""
+
+
+def _unsupported(model: torch.nn.Module, reasons: list[str]) -> UnsupportedModelError:
+    name = type(model).__name__
+    return UnsupportedModelError(
+        f"cbcore cannot serve {name} exactly: {'; '.join(reasons)}. cbcore refuses it rather than return wrong "
+        f"tokens; serve {name} with `model.generate` (or another engine) instead"
+    )
+
+
+# ------------------------------------------------------------------------------------------- structure ----
+
+
+def check_model_supported(model: torch.nn.Module) -> None:
+    """Raise `UnsupportedModelError` if `model`'s structure rules out exact serving by cbcore (see the module
+    docstring for each reason). Reads the model only; changes nothing."""
+    reasons = unsupported_reasons(model)
+    if reasons:
+        raise _unsupported(model, reasons)
+
+
+def unsupported_reasons(model: torch.nn.Module) -> list[str]:
+    """Why cbcore cannot serve `model` exactly, from its structure; empty when the structure allows it (the
+    start-up `self_check` still verifies the numbers)."""
+    config = model.config.get_text_config()
+    reasons: list[str] = []
+
+    stateful = sorted({type(m).__name__ for m in _decoder_layer_modules(model, config) if _is_stateful(m)})
+    if stateful:
+        reasons.append(
+            f"it has layers with a recurrent or convolutional per-request state ({', '.join(stateful[:4])}); "
+            "serving them needs a per-request state cache, which cbcore does not support yet"
+        )
+    if not getattr(config, "num_attention_heads", None):
+        reasons.append("its config has no attention heads (num_attention_heads): there is no KV cache to page")
+    kinds = _layer_kinds(config)
+    if kinds:
+        reasons.append(
+            f"its config's layer_types include {sorted(kinds)}: cbcore serves only full and sliding-window attention "
+            "layers"
+        )
+    if reasons:
+        return reasons  # the attention checks below would only restate these
+
+    reasons += _signature_reasons(model)
+    reasons += _attention_reasons(model, config)
+    return reasons
+
+
+def _language_root(model: torch.nn.Module) -> torch.nn.Module:
+    """The language model (`get_decoder()`), or the whole model when it has none."""
+    try:
+        decoder = model.get_decoder()
+    except (AttributeError, NotImplementedError, ValueError, TypeError):
+        decoder = None
+    return decoder if isinstance(decoder, torch.nn.Module) else model
+
+
+def _decoder_layer_modules(model: torch.nn.Module, config) -> Iterator[torch.nn.Module]:
+    """The modules inside the decoder's layer stack: the language model's module lists with one entry per layer of
+    the text config, preferring its direct children (`model.layers`, `transformer.h`) over lists nested in a vision or
+    audio tower of the same length; every language-model module when there is no such list."""
+    root = _language_root(model)
+    num_layers = getattr(config, "num_hidden_layers", None)
+    direct = [m for m in root.children() if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers]
+    stacks = direct or [m for m in root.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers]
+    if not stacks:
+        yield from root.modules()
+        return
+    for stack in stacks:
+        yield from stack.modules()
+
+
+def _is_stateful(module: torch.nn.Module) -> bool:
+    # A 1-D convolution inside a decoder layer runs over the sequence: it needs the previous tokens' inputs (a state).
+    return isinstance(module, torch.nn.Conv1d) or bool(_STATEFUL_LAYER.search(type(module).__name__))
+
+
+def _layer_kinds(config) -> set[str]:
+    """Layer kinds other than attention named by the config (layer_types and the fields hybrids use instead)."""
+    kinds: set[str] = set()
+    for field in ("layer_types", "layers_block_type", "block_types", "layer_block_types"):
+        value = getattr(config, field, None)
+        if isinstance(value, (list, tuple)):
+            kinds |= {str(kind) for kind in value if kind not in ATTENTION_LAYER_TYPES and kind != "attention"}
+    return kinds
+
+
+def _parameters(fn) -> tuple[set[str], bool]:
+    """Named parameters of `fn` and whether it takes **kwargs."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return set(), True  # cannot tell: the self-check will
+    params = signature.parameters.values()
+    return {p.name for p in params}, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _signature_reasons(model: torch.nn.Module) -> list[str]:
+    names, takes_kwargs = _parameters(model.forward)
+    reasons = []
+    if "position_ids" not in names:
+        reasons.append(
+            "its forward takes no position_ids (it computes positions itself, which is wrong for a packed batch of "
+            "several requests and for chunked prefill)"
+        )
+    if "logits_to_keep" not in names:
+        reasons.append("its forward takes no logits_to_keep (cbcore computes logits only for the rows that emit)")
+    if not takes_kwargs:
+        reasons.append("its forward takes no **kwargs, so cbcore's step data cannot reach the attention layers")
+    return reasons
+
+
+def _calls_attention_interface(module: torch.nn.Module) -> bool:
+    """Whether the module's forward dispatches through transformers' `AttentionInterface` (the registry every
+    attention implementation, cbcore's included, is looked up in)."""
+    return "ALL_ATTENTION_FUNCTIONS" in _forward_source(module)
+
+
+def _forward_source(module: torch.nn.Module) -> str:
+    try:
+        return inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return ""
+
+
+def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of every module in the decoder's layers whose forward attends through `AttentionInterface`."""
+    config = model.config.get_text_config()
+    layers = set(map(id, _decoder_layer_modules(model, config)))
+    return [(n, m) for n, m in model.named_modules() if id(m) in layers and _calls_attention_interface(m)]
+
+
+def _calling_parent(named: dict[str, torch.nn.Module], name: str) -> torch.nn.Module | None:
+    """The nearest ancestor of module `name` that calls it (a decoder layer), skipping containers (a ModuleList of
+    attention modules is indexed, never called)."""
+    while "." in name:
+        name = name.rsplit(".", 1)[0]
+        parent = named.get(name)
+        if not isinstance(parent, (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)):
+            return parent
+    return None
+
+
+def _attention_reasons(model: torch.nn.Module, config) -> list[str]:
+    modules = attention_modules(model)
+    if not modules:
+        # Attention computed by the model itself (Bloom, Falcon, GPT-Neo, MPT, ...), or dispatched in a way this
+        # reading of the source does not recognise: the self-check counts the calls cbcore's attention really gets
+        # and refuses the model if a layer gets none.
+        return []
+    reasons = []
+    parents = dict(model.named_modules())
+    no_index = [n for n, m in modules if not isinstance(getattr(m, "layer_idx", None), int)]
+    if no_index:
+        reasons.append(
+            f"attention module {no_index[0]} has no integer layer_idx (a block shared between layers?), so cbcore "
+            "cannot tell which layer's pages it reads"
+        )
+    indices = [m.layer_idx for n, m in modules if isinstance(getattr(m, "layer_idx", None), int)]
+    expected = list(range(config.num_hidden_layers))
+    if not no_index and sorted(indices) != expected:
+        reasons.append(
+            f"its attention modules have layer_idx {sorted(indices)[:12]} but the config has "
+            f"{config.num_hidden_layers} layers: cbcore pages K/V for exactly one attention module per layer"
+        )
+    window = getattr(config, "sliding_window", None)
+    if window and not any("sliding_window" in _forward_source(m) for _, m in modules):
+        reasons.append(
+            f"its config sets sliding_window={window} but its attention layers do not pass it to the attention "
+            "function (the window lives only in the mask transformers builds, and cbcore's steps build none)"
+        )
+    for name, module in modules:
+        parent = _calling_parent(parents, name)
+        for owner in (module, parent):
+            if owner is None:
+                continue
+            _, takes_kwargs = _parameters(type(owner).forward)
+            if not takes_kwargs:
+                reasons.append(
+                    f"{type(owner).__name__}.forward takes no **kwargs, so cbcore's step data cannot reach the "
+                    "attention function"
+                )
+                break
+        else:
+            continue
+        break
+    return reasons
+
+
+# ------------------------------------------------------------------------------------------ self-check ----
+
+# Models (by identity, with dtype and device) that passed the self-check; weights do not matter to it.
+_checked: weakref.WeakKeyDictionary[torch.nn.Module, set[tuple[torch.dtype, str]]] = weakref.WeakKeyDictionary()
+
+
+def self_check_enabled() -> bool:
+    """`CBCORE_SELF_CHECK` (default on): 0/false/no/off skip the start-up self-check; anything else unknown raises."""
+    value = os.environ.get(SELF_CHECK_ENV, "1").strip().lower()
+    if value in ("1", "true", "yes", "on", ""):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{SELF_CHECK_ENV}={value!r}: expected 1 or 0")
+
+
+class _CountingPages(list):
+    """The step's per-layer K pages, counting each layer's reads: cbcore's attention reads its layer's K pages
+    exactly once per call, so this counts attention calls per layer without touching the attention code."""
+
+    def __init__(self, pages: list[torch.Tensor], counts: list[int]) -> None:
+        super().__init__(pages)
+        self.counts = counts
+
+    def __getitem__(self, index):
+        if isinstance(index, int):
+            self.counts[index] += 1
+        return super().__getitem__(index)
+
+
+def self_check(model: torch.nn.Module, reference_attn_implementation: str | None, force: bool = False) -> None:
+    """Serve a short prompt pair through cbcore's own paged path and compare with the model's own forward; raise
+    `UnsupportedModelError` naming the model and what differed. Call it with cbcore's attention (and packed
+    linears) attached, before the loop starts. `reference_attn_implementation` is the model's own attention
+    implementation (switched to for the reference forward, then back); None keeps the current one.
+
+    Runs on a throwaway cache, scheduler and runner, so the manager's cache, allocator and counters are untouched.
+    Skipped for a model (and dtype, device) that passed before, unless `force`."""
+    key = (model.dtype, str(model.device))
+    if not force and key in _checked.get(model, set()):
+        return
+    try:
+        problem = _run_self_check(model, reference_attn_implementation)
+    except UnsupportedModelError:
+        raise
+    except Exception as error:  # noqa: BLE001 - whatever breaks in a step means the model is not served exactly
+        problem = f"cbcore's paged forward raised {type(error).__name__}: {error}"
+    if problem is not None:
+        raise _unsupported(model, [f"the start-up self-check failed: {problem}"])
+    _checked.setdefault(model, set()).add(key)
+
+
+def _run_self_check(model: torch.nn.Module, reference_attn_implementation: str | None) -> str | None:
+    from .cache import CacheShape, PagedKVCache
+    from .requests import RequestState, RequestStatus
+    from .runner import ModelRunner
+    from .scheduler import FifoOrder, Scheduler
+
+    device = model.device
+    shape = CacheShape.from_model_config(model.config, model.dtype)
+    longest = max(_CHECK_PROMPT_LENGTHS) + _CHECK_DECODE_STEPS
+    num_blocks = sum(-(-(n + _CHECK_DECODE_STEPS) // _CHECK_PAGE_SIZE) for n in _CHECK_PROMPT_LENGTHS) + 1
+    cache = PagedKVCache(shape, num_blocks, _CHECK_PAGE_SIZE, device, allow_prefix_sharing=False)
+    scheduler = Scheduler(cache, FifoOrder(), max_batch_tokens=_CHECK_BATCH_TOKENS, max_requests_per_batch=4,
+                          safety_margin=0.0)
+    runner = ModelRunner(model, cache, sampler=None)
+
+    vocab = min(model.get_input_embeddings().num_embeddings, model.config.get_text_config().vocab_size)
+    generator = torch.Generator().manual_seed(0)
+    states = [
+        RequestState(request_id=f"cbcore_self_check_{i}",
+                     initial_tokens=torch.randint(0, vocab, (n,), generator=generator).tolist(),
+                     max_new_tokens=_CHECK_DECODE_STEPS)
+        for i, n in enumerate(_CHECK_PROMPT_LENGTHS)
+    ]
+    for state in states:
+        scheduler.add(state)
+
+    rows: dict[str, list[tuple[int, torch.Tensor]]] = {state.request_id: [] for state in states}
+    num_layers = shape.num_layers
+    for _ in range(4 * longest):  # bounded: each step computes at least one token
+        if not scheduler.has_work():
+            break
+        batch = scheduler.schedule()
+        if batch.failed or batch.capped or not batch.requests:
+            return f"the throwaway engine could not schedule the check ({batch.failed or batch.capped})"
+        counts = [0] * num_layers
+
+        def count_calls(step):
+            step.key_caches = _CountingPages(step.key_caches, counts)
+            return step
+
+        logits, emitted = runner.forward(batch, step_hook=count_calls)
+        if counts != [1] * num_layers:
+            return _describe_counts(counts)
+        scheduler.on_step_done(batch)
+        for item, row in zip(emitted, logits if logits is not None else []):
+            state = item.state
+            rows[state.request_id].append((state.num_tokens - 1, row.float()))
+            state.status = RequestStatus.DECODING
+            if state.append_token(int(row.argmax()), None):
+                scheduler.finish(state)
+    if scheduler.has_work():
+        return "the throwaway engine did not finish the check"
+
+    worst = 0.0
+    tolerance = _TOLERANCE.get(model.dtype, 6e-2)
+    with _attention_implementation(model, reference_attn_implementation), torch.inference_mode():
+        for state in states:
+            ids = torch.tensor([state.all_tokens], device=device)
+            reference = model(input_ids=ids, use_cache=False).logits[0].float()
+            for position, got in rows[state.request_id]:
+                want = reference[position]
+                error = float((got - want).abs().max()) / max(1.0, float(want.abs().max()))
+                worst = max(worst, error)
+                if error > tolerance:
+                    return (
+                        f"logits at position {position} of a {len(state.initial_tokens)}-token prompt differ from the "
+                        f"model's own forward by {error:.3g} (relative; tolerance {tolerance:g} for {model.dtype}), "
+                        f"so cbcore's paged steps do not compute what this model computes"
+                    )
+    return None
+
+
+def _describe_counts(counts: list[int]) -> str:
+    never = [i for i, c in enumerate(counts) if c == 0]
+    several = [i for i, c in enumerate(counts) if c > 1]
+    parts = []
+    if never:
+        parts.append(f"layers {never[:8]} never called cbcore's attention with its step data (their attention "
+                     "bypasses it, or a layer drops the forward's kwargs)")
+    if several:
+        parts.append(f"layers {several[:8]} called it {max(counts)} times in one forward (one attention module used "
+                     "several times, or shared between layers)")
+    return "; ".join(parts)
+
+
+class _attention_implementation:
+    """Temporarily switch the model to `name` (None: keep the current implementation)."""
+
+    def __init__(self, model: torch.nn.Module, name: str | None) -> None:
+        self.model = model
+        self.name = name
+        self.previous: str | None = None
+
+    def __enter__(self) -> None:
+        if self.name is not None:
+            self.previous = self.model.config._attn_implementation
+            if self.previous != self.name:
+                self.model.set_attn_implementation(self.name)
+            else:
+                self.previous = None
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:
+            self.model.set_attn_implementation(self.previous)

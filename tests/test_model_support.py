@@ -1,0 +1,84 @@
+"""Model support (cbcore/model_support.py) as the manager applies it: a model cbcore cannot serve exactly is refused at
+`warmup()`/`start()` with an error naming it, the model is left exactly as it was, and the start-up self-check leaves
+the engine's cache, allocator and counters untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import architecture_sweep as sweep
+import cbcore
+from cbcore import model_support
+from cbcore.model_support import SELF_CHECK_ENV, UnsupportedModelError
+from conftest import collect_outputs, greedy_config, random_prompts, reference_tokens, tiny_model
+
+
+def _untouched(model: torch.nn.Module, attn_implementation: str) -> bool:
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return model.config._attn_implementation == attn_implementation and all("forward" not in m.__dict__ for m in linears)
+
+
+def _manager(model: torch.nn.Module) -> cbcore.ContinuousBatchingManager:
+    return cbcore.ContinuousBatchingManager(model, greedy_config(4), cbcore.ContinuousBatchingConfig(page_size=4))
+
+
+def test_a_hybrid_model_is_refused_at_start_before_anything_is_built() -> None:
+    model = sweep.build_model("qwen3_next")
+    before = model.config._attn_implementation
+    manager = _manager(model)
+    with pytest.raises(UnsupportedModelError, match="Qwen3NextForCausalLM.*per-request state"):
+        manager.start()
+    assert manager.cache is None and not manager.is_running()
+    assert _untouched(model, before)
+
+
+def test_warmup_refuses_a_model_without_attention_heads() -> None:
+    manager = _manager(sweep.build_model("mamba"))
+    with pytest.raises(NotImplementedError, match="MambaForCausalLM"):
+        manager.warmup()
+    assert manager.cache is None
+
+
+def test_a_self_check_refusal_leaves_the_model_as_it_was() -> None:
+    model = sweep.build_model("falcon")  # attention outside AttentionInterface: only the self-check can tell
+    before = model.config._attn_implementation
+    model_support.check_model_supported(model)  # structure alone does not refuse it
+    with pytest.raises(UnsupportedModelError, match="FalconForCausalLM.*self-check.*never called cbcore's attention"):
+        _manager(model).start()
+    assert _untouched(model, before)
+
+
+def test_the_self_check_counts_attention_calls_per_layer() -> None:
+    model = sweep.build_model("diffllama")  # one attention module called twice per forward
+    with pytest.raises(UnsupportedModelError, match="DiffLlamaForCausalLM.*2 times in one forward"):
+        _manager(model).start()
+
+
+def test_the_self_check_leaves_cache_allocator_and_counters_untouched() -> None:
+    model = tiny_model("llama_gqa")
+    manager = _manager(model)
+    manager.start()
+    try:
+        assert manager.is_running()
+        stats = manager.stats()
+        assert all(stats[name] == 0 for name in ("steps", "computed_tokens", "generated_tokens", "prefix_lookups"))
+        assert stats["blocks_free"] == stats["num_blocks"]
+        prompts = random_prompts([3, 13], seed=2)
+        outputs = collect_outputs(manager, manager.add_requests(prompts))
+    finally:
+        manager.stop(block=True, timeout=60)
+    manager.check_invariants()
+    got = [outputs[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+    assert got == [reference_tokens(model, p, greedy_config(4)) for p in prompts]
+
+
+def test_the_self_check_can_be_skipped_and_a_bad_value_raises(monkeypatch) -> None:
+    model = sweep.build_model("falcon")
+    monkeypatch.setenv(SELF_CHECK_ENV, "0")
+    manager = _manager(model)
+    manager.start()  # not checked: the caller took responsibility
+    manager.stop(block=True, timeout=60)
+    monkeypatch.setenv(SELF_CHECK_ENV, "maybe")
+    with pytest.raises(ValueError, match=SELF_CHECK_ENV):
+        model_support.self_check_enabled()
