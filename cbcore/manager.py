@@ -46,7 +46,7 @@ from .model_support import check_model_supported, self_check, self_check_enabled
 from .outputs import OutputRouter
 from .requests import GenerationOutput, RequestState, RequestStatus, child_request_id
 from .runner import ModelRunner
-from .sampling import Sampler
+from .sampling import LogitsProcessorSwitch, Sampler
 from .scheduler import SCHEDULING_ORDERS, ScheduledBatch, ScheduledRequest, Scheduler
 from .swap import plan_num_host_blocks
 
@@ -179,9 +179,10 @@ class ContinuousBatchingManager:
             # Special tokens as tensors (min_new_tokens needs them), then the processors once, as `model.generate`
             # builds them: a value they refuse (a negative temperature, ...) is refused here, not at the first step.
             self.model._prepare_special_tokens(prepared, kwargs_has_attention_mask=True, device=self.model.device)
-            self.model._get_logits_processor(prepared, input_ids_seq_length=1, device=self.model.device)
+            processors = self.model._get_logits_processor(prepared, input_ids_seq_length=1, device=self.model.device)
         except (ValueError, TypeError) as error:
             raise ValueError(f"invalid GenerationConfig: {error}") from error
+        self.logit_processor = LogitsProcessorSwitch(processors)
         mode = prepared.get_generation_mode()
         if mode not in SUPPORTED_GENERATION_MODES:
             raise NotImplementedError(
@@ -294,7 +295,10 @@ class ContinuousBatchingManager:
                 setattr(config, name, value)
             return self.model._get_logits_processor(config, input_ids_seq_length=prompt_length, device=device)
 
-        sampler = Sampler(generation_config, processors_for, cfg.return_logprobs, cfg.seed, cfg.per_request_processors)
+        sampler = Sampler(
+            generation_config, processors_for, cfg.return_logprobs, cfg.seed, cfg.per_request_processors,
+            self.logit_processor,
+        )
         self.cache, self.scheduler = cache, scheduler
         self.runner = ModelRunner(self.model, cache, sampler)
         self._engine_needs_rebuild = False

@@ -26,6 +26,22 @@ PER_REQUEST_KWARGS: dict[str, type] = {"temperature": float, "top_k": int, "top_
 IGNORED_KWARGS = ("filter_value", "min_tokens_to_keep")
 
 
+class LogitsProcessorSwitch:
+    """`manager.logit_processor`, the part of transformers' `ContinuousBatchingLogitsProcessorList` that code driving
+    a manager reads: `logits_processor` (what `model.generate` builds for this generation config, for a one-token
+    prompt: the per-request lists are built from the same config), `do_processing`, and `clear()`, which turns every
+    processor off so the sampler sees the raw logits (transformers' tests use it to compare logprobs)."""
+
+    def __init__(self, logits_processor: LogitsProcessorList) -> None:
+        self.logits_processor = logits_processor
+        self.do_processing = len(logits_processor) > 0
+
+    def clear(self) -> None:
+        """No processor runs from the next step on."""
+        self.logits_processor = LogitsProcessorList()
+        self.do_processing = False
+
+
 class Sampler:
     """Greedy or multinomial sampling over processed logits, reproducible with a seed."""
 
@@ -36,6 +52,7 @@ class Sampler:
         return_logprobs: bool = False,
         seed: int | None = None,
         per_request_processors: bool = False,
+        switch: LogitsProcessorSwitch | None = None,
     ) -> None:
         """`processor_factory(prompt_length, max_new_tokens, overrides)` builds the processors `model.generate` would
         use for that prompt and length. Per-request kwargs are checked by `request_inputs.processor_kwargs` when the
@@ -46,6 +63,7 @@ class Sampler:
         self._processor_factory = processor_factory
         self._processors: dict[tuple, LogitsProcessorList] = {}
         self.has_processors = len(processor_factory(1, None, {})) > 0
+        self.switch = switch if switch is not None else LogitsProcessorSwitch(processor_factory(1, None, {}))
         self.generator = torch.Generator()
         if seed is not None:
             self.generator.manual_seed(seed)
@@ -77,7 +95,7 @@ class Sampler:
         scores = logits.float()
         kwargs_per_row = request_kwargs or [{}] * len(histories)
         limits = max_new_tokens or [None] * len(histories)
-        if self.has_processors or any(kwargs_per_row):
+        if self.switch.do_processing and (self.has_processors or any(kwargs_per_row)):
             rows = []
             for row, (history, prompt_length, kwargs) in enumerate(zip(histories, prompt_lengths, kwargs_per_row)):
                 processors = self.processors_for(prompt_length, limits[row], kwargs)

@@ -232,6 +232,33 @@ def test_a_cancel_right_after_add_is_never_lost() -> None:
     assert_engine_clean(manager)
 
 
+def test_a_cancel_arriving_between_the_loops_intake_and_its_cancellation_pass_is_applied() -> None:
+    """The race, made deterministic: the request lands in the queue just after the loop drained it, and its cancel
+    just before the loop reads the cancels (transformers and cbcore before this fix dropped the cancel)."""
+    model = tiny_model("llama_gqa")
+    manager = started(model, greedy_config(40), page_size=4)
+    intake = manager._take_new_requests
+    raced: list[str] = []
+
+    def intake_then_race() -> None:
+        intake()
+        if not raced:
+            raced.append(manager.add_request([1, 2, 3]))
+            manager.cancel_request(raced[0])
+
+    manager._take_new_requests = intake_then_race
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not raced:  # the idle loop runs its intake every 0.1 s
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        output = collect_outputs(manager, raced, timeout=WAIT_S)[raced[0]]
+    finally:
+        manager.stop()
+    assert output.status == cbcore.RequestStatus.CANCELLED
+    assert_engine_clean(manager)
+
+
 def test_cancelling_a_child_before_its_fork_ends_it_and_it_is_never_forked() -> None:
     model = tiny_model("llama_gqa")
     config = GenerationConfig(max_new_tokens=5, do_sample=True, top_k=1, num_return_sequences=3, eos_token_id=None, pad_token_id=0)
@@ -395,7 +422,7 @@ def test_a_logits_processor_raising_for_one_row_fails_that_request_alone() -> No
     sampler = manager.runner.sampler
     factory = sampler._processor_factory
     sampler._processor_factory = lambda *args: LogitsProcessorList([*factory(*args), _RaisesForMarkedPrompts()])
-    sampler.has_processors = True
+    sampler.has_processors = sampler.switch.do_processing = True
     prompts = random_prompts([5, 8, 11], seed=12)
     marked = [_RaisesForMarkedPrompts.MARKER] + prompts[1][1:]
     manager.start()
@@ -697,3 +724,23 @@ def test_transformers_serving_layer_drives_a_cbcore_manager() -> None:
         assert list(generated) == reference_tokens(model, prompt, config)
         assert text == " ".join(str(i) for i in generated)
     assert not serving._cb.is_running()
+
+
+def test_logit_processor_clear_turns_every_processor_off() -> None:
+    """`manager.logit_processor` is what transformers' code reads; after `clear()` the sampler sees raw logits, so a
+    repetition-penalised config generates what plain greedy does."""
+    model = tiny_model("llama_gqa")
+    prompt = random_prompts([6], seed=22)[0]
+    penalised = GenerationConfig(max_new_tokens=6, do_sample=False, repetition_penalty=5.0, eos_token_id=None,
+                                 pad_token_id=0)
+    manager = cbcore.ContinuousBatchingManager(model, penalised, cbcore.ContinuousBatchingConfig(page_size=4))
+    assert manager.logit_processor.do_processing and len(manager.logit_processor.logits_processor) == 1
+    manager.logit_processor.clear()
+    assert not manager.logit_processor.do_processing
+    manager.start()
+    try:
+        rid = manager.add_request(prompt)
+        output = collect_outputs(manager, [rid])[rid]
+    finally:
+        manager.stop()
+    assert output.generated_tokens == reference_tokens(model, prompt, greedy_config(6))
