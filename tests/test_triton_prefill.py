@@ -255,6 +255,12 @@ def test_rejects_inputs_it_cannot_serve() -> None:
         prefill_attention(q, k_cache, v_cache, table, cu, k_lens, 0.25, sliding_window=0)
     with pytest.raises(ValueError, match="power of two"):
         prefill_attention(q, k_cache, v_cache, table, cu, k_lens, 0.25, tiles=PrefillTiles(block_m=24, block_n=16))
+    with pytest.raises(ValueError, match="softcap must be None or a positive"):
+        prefill_attention(q, k_cache, v_cache, table, cu, k_lens, 0.25, softcap=0.0)
+    with pytest.raises(ValueError, match=r"sinks must be a floating-point \[heads=4\]"):
+        prefill_attention(q, k_cache, v_cache, table, cu, k_lens, 0.25, sinks=torch.zeros(2))
+    with pytest.raises(ValueError, match="differ in more than the head dim"):
+        prefill_attention(q, k_cache, v_cache[:, :, :1], table, cu, k_lens, 0.25)
 
 
 # ---- compiled, without a GPU -----------------------------------------------------------------------------------------
@@ -339,3 +345,20 @@ def test_gpu_small_batch_matches_reference() -> None:
         for window in (None, 5):
             args = make_batch(RAGGED, 8, heads, kv_heads, head_dim=16, device="cuda", seed=heads)
             assert_matches_reference(args, window, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@needs_compiled_cuda
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("window", [None, 1000], ids=["causal", "window1000"])
+def test_gpu_softcap_and_sinks_match_reference(dtype, atol, window) -> None:
+    args = make_batch(GPU_BATCH, 16, 32, 8, 128, dtype=dtype, device="cuda", seed=2)
+    assert_matches_reference(args, window, atol=atol, rtol=atol, softcap=30.0, sinks=sink_logits(32).cuda())
+
+
+@pytest.mark.gpu
+@needs_compiled_cuda
+def test_gpu_latent_attention_head_dims_match_reference() -> None:
+    # DeepSeek-V3's per-head dims: K 192 (128 + 64 rotary), V 128.
+    args = make_batch(GPU_BATCH[:4], 16, 16, 16, 192, dtype=torch.bfloat16, device="cuda", seed=3, v_head_dim=128)
+    assert_matches_reference(args, None, atol=2e-2, rtol=2e-2)
