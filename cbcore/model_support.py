@@ -25,8 +25,9 @@ else gives wrong tokens without an error, so it must be refused. Two lines of de
    `UnsupportedModelError` naming the model class and what was seen. This is what refuses attention that does not
    go through `AttentionInterface` (Bloom, Falcon, GPT-Neo, MPT: cbcore's attention is never called) and models
    that call one attention module several times per forward (DiffLlama). The manager runs it once per model (and dtype
-   and device) at `start()`; it costs two short forwards of the model plus a few small steps
-   (about 0.3 s for SmolLM2-135M in fp32 on 2 CPU cores). `CBCORE_SELF_CHECK=0` skips it.
+   and device) at `start()`; it costs two short forwards of the model plus seven small steps: for SmolLM2-135M,
+   `start()` takes about 1 s longer in fp32 and 0.15 s longer in bf16 (one torch thread, a shared 2-core AMD EPYC
+   CPU, timing `manager.start()` with and without the check; see the README). `CBCORE_SELF_CHECK=0` skips it.
 """
 
 from __future__ import annotations
@@ -110,6 +111,13 @@ def unsupported_reasons(model: torch.nn.Module) -> list[str]:
 
     reasons += _signature_reasons(model)
     reasons += _attention_reasons(model, config)
+    if not reasons:
+        from .cache import CacheShape
+
+        try:  # the cache's own reading of the config: one K/V shape for every layer
+            CacheShape.from_model_config(model.config, model.dtype)
+        except (ValueError, AttributeError, TypeError) as error:
+            reasons.append(f"its KV-cache shape cannot be derived exactly ({error})")
     return reasons
 
 

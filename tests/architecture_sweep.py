@@ -71,6 +71,8 @@ def _tiny_value(key: str, value, config_dict: dict):
     if value is None and key in ("head_dim", "num_key_value_heads", "moe_intermediate_size"):
         # Unset in some default configs and read as-is by their attention/MoE modules (Ministral, Nemotron, ...).
         return {"head_dim": 16, "num_key_value_heads": 4, "moe_intermediate_size": 32}[key]
+    if value is None and key in ("n_shared_experts", "num_shared_experts"):
+        return 1  # Dots1 multiplies by it
     if value is None and (key in _EXPERTS or key in _TOP_K):
         return 4 if key in _EXPERTS else 2  # Dots1's default config leaves its MoE unset
     if key == "is_decoder":
@@ -140,7 +142,9 @@ def _shrink(config) -> dict:
     for key, value in values.items():
         sub = getattr(config, key, None)
         if hasattr(sub, "to_dict") and hasattr(sub, "model_type"):
-            overrides[key] = _shrink(sub)
+            shrunk = _shrink(sub)
+            if shrunk:  # an empty dict would rebuild the sub-config from its class defaults (DBRX's lose rope_theta)
+                overrides[key] = shrunk
             continue
         tiny = _tiny_value(key, value, values)
         if tiny is not value and tiny != value:
