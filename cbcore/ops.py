@@ -30,8 +30,8 @@ Dispatch (`CBCORE_KERNELS=auto`, the default):
 
 Each falls back to the plain-torch reference below when its module did not build or import, and for inputs it does
 not take (every kernel takes softcap and sinks, so they never cause a fallback): the C++ CPU kernels need fp32/bf16/fp16
-caches, q in the cache's dtype and head dims (K's and V's) multiples of 8; the CUDA decode needs head_dim 64/128/256,
-V's head dim equal to K's and a power-of-two page size; CUDA cache_write takes any fp32/bf16/fp16 shape with K and V
+caches, q in the cache's dtype and head dims (K's and V's) multiples of 8; the CUDA decode needs head dims 64/128/256
+(V's equal to K's) or K 192 / V 128, and a power-of-two page size; CUDA cache_write takes any fp32/bf16/fp16 shape with K and V
 pages of one shape, Triton prefill any fp32/bf16/fp16 shape (k/v are converted to the cache's dtype first, as the
 reference does).
 
@@ -54,6 +54,9 @@ import torch.nn.functional as F
 KERNELS_ENV = "CBCORE_KERNELS"
 KERNEL_MODES = ("auto", "reference", "cpu", "cuda", "triton")
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# (K, V) head dims cbcore._cuda's decode is compiled for (csrc/attention/cuda_decode_params.h): equal 64/128/256, and
+# multi-head latent attention's 192/128 (DeepSeek-V2/V3).
+_CUDA_DECODE_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256), (192, 128)})
 
 
 def kernel_mode() -> str:
@@ -147,11 +150,9 @@ def _why_not_cuda_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         return "cbcore._cuda is not built"
     if not (q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in _KERNEL_DTYPES):
         return f"dtypes q {q.dtype}, caches {k_cache.dtype}/{v_cache.dtype} (one of float32, bfloat16, float16)"
-    head_dim, page_size = k_cache.shape[3], k_cache.shape[1]
-    if head_dim not in (64, 128, 256):
-        return f"head_dim {head_dim} (supported: 64, 128, 256)"
-    if v_cache.shape[3] != head_dim:
-        return f"V head dim {v_cache.shape[3]} differs from K's {head_dim} (the CUDA kernel needs them equal)"
+    head_dim, v_head_dim, page_size = k_cache.shape[3], v_cache.shape[3], k_cache.shape[1]
+    if (head_dim, v_head_dim) not in _CUDA_DECODE_HEAD_DIMS:
+        return (f"head dims K {head_dim} / V {v_head_dim} (supported: 64, 128 or 256 for both, or K 192 with V 128)")
     if page_size & (page_size - 1):
         return f"page_size {page_size} is not a power of two"
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):

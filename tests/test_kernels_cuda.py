@@ -274,7 +274,21 @@ def test_decode_through_ops_passes_softcap_and_model_dtype_sinks(monkeypatch) ->
 
 
 @pytest.mark.gpu
-def test_decode_with_a_separate_v_head_dim_runs_the_reference_in_auto_and_raises_when_cuda_is_forced(
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(16, 16), (16, 2)], ids=["mla", "gqa8"])
+def test_decode_latent_attention_head_dims(dtype, num_heads, num_kv_heads) -> None:
+    # DeepSeek-V3's per-head dims: K 192 = 128 + 64 rotary, V 128.
+    q, k_cache, _, table, seq_lens = make_paged(RAGGED + [4097], num_heads, num_kv_heads, 192, 16, dtype)
+    v_cache = torch.randn(*k_cache.shape[:3], 128, device="cuda").to(dtype)
+    sinks = sink_logits(num_heads).cuda()
+    out = cuda_module().decode_attention(q, k_cache, v_cache, table, seq_lens, 0.07, -1, False, 0.0, sinks)
+    ref = ops.decode_attention_reference(q.float(), k_cache.float(), v_cache.float(), table, seq_lens, 0.07,
+                                         sinks=sinks)
+    assert_close_to_reference(out, ref, dtype)
+
+
+@pytest.mark.gpu
+def test_decode_with_head_dims_not_compiled_runs_the_reference_in_auto_and_raises_when_cuda_is_forced(
         monkeypatch) -> None:
     q, k_cache, _, table, seq_lens = make_paged([5, 40], 8, 2, 128, 16, torch.float32)
     v_cache = torch.randn(*k_cache.shape[:3], 64, device="cuda")
@@ -282,7 +296,7 @@ def test_decode_with_a_separate_v_head_dim_runs_the_reference_in_auto_and_raises
     out = ops.decode_attention(q, k_cache, v_cache, table, seq_lens, 0.088)
     assert out.shape == (2, 8, 64)
     monkeypatch.setenv("CBCORE_KERNELS", "cuda")
-    with pytest.raises(RuntimeError, match="V head dim 64 differs"):
+    with pytest.raises(RuntimeError, match="head dims K 128 / V 64"):
         ops.decode_attention(q, k_cache, v_cache, table, seq_lens, 0.088)
 
 
@@ -314,7 +328,7 @@ def test_decode_rejects_bad_inputs_with_a_clear_message(change, message) -> None
 def test_decode_rejects_unsupported_head_dim_and_page_size() -> None:
     cuda = cuda_module()
     q, k_cache, v_cache, table, seq_lens = make_paged([5], 4, 2, 96, 8, torch.float16)
-    with pytest.raises(RuntimeError, match="head_dim must be 64, 128 or 256, got 96"):
+    with pytest.raises(RuntimeError, match="head_dim must be 64, 128 or 256 .*; got K 96, V 96"):
         cuda.decode_attention(q, k_cache, v_cache, table, seq_lens, 0.1)
     q, k_cache, v_cache, table, seq_lens = make_paged([5], 4, 2, 64, 12, torch.float16)
     with pytest.raises(RuntimeError, match="page_size .* must be a power of two, got 12"):

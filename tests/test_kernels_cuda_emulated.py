@@ -5,7 +5,7 @@ __syncthreads and the warp shuffles); the real kernel header csrc/attention/cuda
 launch plan (cuda_decode_params.h) are compiled against it with the host compiler and run on small batches, against
 the reference in cbcore/ops.py. This covers the indexing through block tables, head grouping and padding, the
 butterfly reductions, split-K and its merge, sliding windows, soft-capping, attention sinks (counted once across
-split-K) and the deterministic mode's batch independence. It
+split-K), a V head dim of its own (K 192 / V 128) and the deterministic mode's batch independence. It
 does not cover what only a GPU shows (the memory model, the 16-byte load instruction, performance): that is
 tests/test_kernels_cuda.py's job, under `pytest -m gpu`.
 """
@@ -48,12 +48,12 @@ def harness(tmp_path_factory) -> Path:
     return binary
 
 
-def paged(lengths, num_heads, num_kv_heads, head_dim, page_size, dtype, seed=0):
+def paged(lengths, num_heads, num_kv_heads, head_dim, page_size, dtype, seed=0, v_head_dim=None):
     generator = torch.Generator().manual_seed(seed)
     blocks = [-(-n // page_size) for n in lengths]
     num_blocks = sum(blocks) + 2
     k_cache = torch.randn(num_blocks, page_size, num_kv_heads, head_dim, generator=generator).to(dtype)
-    v_cache = torch.randn(num_blocks, page_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    v_cache = torch.randn(num_blocks, page_size, num_kv_heads, v_head_dim or head_dim, generator=generator).to(dtype)
     q = torch.randn(len(lengths), num_heads, head_dim, generator=generator).to(dtype)
     order = torch.randperm(num_blocks, generator=generator).to(torch.int32)
     table = torch.zeros(len(lengths), max(max(blocks), 1), dtype=torch.int32)
@@ -80,16 +80,18 @@ def emulate(harness: Path, q, k_cache, v_cache, table, seq_lens, window=-1, dete
     args = [str(harness), str(work), dtype, *map(str, (batch, num_heads, num_kv_heads, head_dim, page_size,
                                                       table.shape[1], num_blocks, window, int(deterministic),
                                                       target_ctas)), repr(1 / math.sqrt(head_dim)),
-            repr(float(softcap or 0.0))]
+            repr(float(softcap or 0.0)), str(v_cache.shape[3])]
     result = subprocess.run(args, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     raw = torch.from_numpy(np.fromfile(work / "out.bin", dtype=np.uint8))
-    return raw.view(q.dtype).view(batch, num_heads, head_dim), result.stderr.strip()
+    return raw.view(q.dtype).view(batch, num_heads, v_cache.shape[3]), result.stderr.strip()
 
 
 def check_against_reference(harness, lengths, num_heads, num_kv_heads, head_dim, page_size, dtype, window=-1,
-                            deterministic=False, target_ctas=TARGET_CTAS, softcap=None, sinks=None) -> str:
-    q, k_cache, v_cache, table, seq_lens = paged(lengths, num_heads, num_kv_heads, head_dim, page_size, dtype)
+                            deterministic=False, target_ctas=TARGET_CTAS, softcap=None, sinks=None,
+                            v_head_dim=None) -> str:
+    q, k_cache, v_cache, table, seq_lens = paged(lengths, num_heads, num_kv_heads, head_dim, page_size, dtype,
+                                                 v_head_dim=v_head_dim)
     out, plan = emulate(harness, q, k_cache, v_cache, table, seq_lens, window, deterministic, target_ctas, softcap,
                         sinks)
     ref = ops.decode_attention_reference(q.float(), k_cache.float(), v_cache.float(), table, seq_lens,
@@ -172,3 +174,13 @@ def test_emulated_decode_sinks_with_the_smallest_splits(harness) -> None:
     """Many splits per request (64 keys each): the merge adds the sink to the total exactly once."""
     assert "split=64 " in check_against_reference(harness, [1500, 5], 4, 1, 64, 16, torch.float32,
                                                   target_ctas=10**6, sinks=sink_logits(4, seed=2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (16, 2)], ids=["mla-gqa1", "gqa8"])
+def test_emulated_decode_latent_attention_head_dims(harness, dtype, num_heads, num_kv_heads) -> None:
+    """DeepSeek-V3's per-head dims: K 192 (read by 16 lanes x 3 vectors in fp32, 8 x 3 in bf16), V 128 (its own lane
+    mapping in phase 3); one-split and many-split requests, with sinks."""
+    plan = check_against_reference(harness, RAGGED, num_heads, num_kv_heads, 192, 16, dtype, v_head_dim=128,
+                                   sinks=sink_logits(num_heads, seed=3))
+    assert "max_splits=1 " not in plan

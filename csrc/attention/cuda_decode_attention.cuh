@@ -19,6 +19,8 @@
 // (GPT-OSS) is one more softmax term e^sink with no value: it joins the denominator once per request, where the
 // request's output is normalised (the direct write of a one-split request, or the merge), never in a split's
 // partial state, so split-K cannot count it twice.
+// V may have its own head dim DV (multi-head latent attention: DeepSeek-V3's K 192, V 128): phase 3 then has a lane
+// mapping of its own, and everything written after it (the reduction area, outputs, partials) has DV columns.
 // Each lane keeps U loads of 16 bytes in flight per phase (unrolled), and the many CTAs of split-K keep the memory
 // system busy. Every reduction has a fixed shape, so results are reproducible run to run; with a fixed split size
 // (deterministic mode) they are also independent of what else is in the batch.
@@ -56,24 +58,40 @@ __device__ __forceinline__ float reduce_scatter_heads(float (&v)[G], int lig) {
   return s;
 }
 
-template <typename T, int D, int GPAD>
+// Lanes that read one row of `row_vecs` 16-byte vectors: the largest power of two <= 32 dividing it (so a row of 48
+// vectors, fp32 D = 192, is read by 16 lanes, three vectors each).
+__host__ __device__ constexpr int lanes_per_row(int row_vecs) {
+  int lanes = 32;
+  while (lanes > 1 && row_vecs % lanes != 0) lanes /= 2;
+  return lanes;
+}
+
+template <typename T, int D, int DV, int GPAD>
 __global__ void __launch_bounds__(kDecodeWarps * 32) decode_split_kernel(const DecodeParams p) {
   constexpr int NW = kDecodeWarps;
   constexpr int NT = NW * 32;
   constexpr int VE = Vec16<T>::kElems;    // elements per 16-byte vector
-  constexpr int ROW_VECS = D / VE;        // vectors per K/V row of one head
-  constexpr int GS = ROW_VECS < 32 ? ROW_VECS : 32;  // lanes per token
+  constexpr int ROW_VECS = D / VE;        // vectors per K row of one head
+  constexpr int GS = lanes_per_row(ROW_VECS);  // lanes per token
   constexpr int NV = ROW_VECS / GS;       // vectors per lane per row
   constexpr int EPL = NV * VE;            // elements per lane
   constexpr int TPW = 32 / GS;            // tokens per warp step
   constexpr int U = NV == 1 ? 4 : 2;      // warp steps whose loads are issued together
   constexpr int STEP = NW * U * TPW;      // tokens per CTA iteration
-  static_assert(ROW_VECS % GS == 0 && 32 % GS == 0, "unsupported head_dim for this dtype");
+  // The same for V rows (phase 3), which have DV elements.
+  constexpr int ROW_VECS_V = DV / VE;
+  constexpr int GSV = lanes_per_row(ROW_VECS_V);
+  constexpr int NVV = ROW_VECS_V / GSV;
+  constexpr int EPLV = NVV * VE;
+  constexpr int TPWV = 32 / GSV;
+  constexpr int UV = NVV == 1 ? 4 : 2;
+  constexpr int STEPV = NW * UV * TPWV;
+  static_assert(D % VE == 0 && DV % VE == 0, "unsupported head_dim for this dtype");
   static_assert(GPAD <= GS && (GPAD & (GPAD - 1)) == 0, "GPAD must be a power of two <= GS");
 
   extern __shared__ __align__(16) float smem[];
-  const int score_floats = decode_score_floats(p.split_tokens, GPAD, D);
-  float* scores = smem;                         // [split_tokens][GPAD], later [NW][GPAD][D]
+  const int score_floats = decode_score_floats(p.split_tokens, GPAD, DV);
+  float* scores = smem;                         // [split_tokens][GPAD], later [NW][GPAD][DV]
   float* red = smem + score_floats;             // [NW][GPAD]
   float* stat_max = red + NW * GPAD;            // [GPAD]
   float* stat_sum = stat_max + GPAD;            // [GPAD]
@@ -88,6 +106,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_split_kernel(const D
   const int lane = tid % 32;
   const int sub = lane / GS;  // which token of the warp step
   const int lig = lane % GS;  // lane in the token group
+  const int subv = lane / GSV;  // the same for V rows
+  const int ligv = lane % GSV;
 
   const KeyRange range = key_range(p.seq_lens[b], p.table_width, p.log2_page, p.window, p.split_tokens);
   if (split >= range.num_splits) return;
@@ -127,11 +147,14 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_split_kernel(const D
   __syncthreads();
 
   const int64_t token_stride = static_cast<int64_t>(p.num_kv_heads) * D;  // elements between tokens of a page
-  auto row_offset = [&](int i) -> int64_t {
+  auto slot_of = [&](int i) -> int64_t {
     const int tok = tok0 + i;
-    const int64_t slot = (static_cast<int64_t>(page_blocks[(tok >> p.log2_page) - page0]) << p.log2_page) |
-                         (tok & page_mask);
-    return slot * token_stride + static_cast<int64_t>(kv_head) * D;
+    return (static_cast<int64_t>(page_blocks[(tok >> p.log2_page) - page0]) << p.log2_page) | (tok & page_mask);
+  };
+  auto row_offset = [&](int i) -> int64_t { return slot_of(i) * token_stride + static_cast<int64_t>(kv_head) * D; };
+  const int64_t v_token_stride = static_cast<int64_t>(p.num_kv_heads) * DV;
+  auto v_row_offset = [&](int i) -> int64_t {
+    return slot_of(i) * v_token_stride + static_cast<int64_t>(kv_head) * DV;
   };
 
   // ---- phase 1: scores ----------------------------------------------------------------------------------------
@@ -209,31 +232,31 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_split_kernel(const D
   }
 
   // ---- phase 3: probabilities times V ---------------------------------------------------------------------------
-  float acc[GPAD][EPL];
+  float acc[GPAD][EPLV];
 #pragma unroll
   for (int g = 0; g < GPAD; ++g)
 #pragma unroll
-    for (int e = 0; e < EPL; ++e) acc[g][e] = 0.f;
+    for (int e = 0; e < EPLV; ++e) acc[g][e] = 0.f;
 
   const T* v_cache = static_cast<const T*>(p.v_cache);
-  for (int base = warp * U * TPW; base < n; base += STEP) {
-    uint4 vv[U][NV];
+  for (int base = warp * UV * TPWV; base < n; base += STEPV) {
+    uint4 vv[UV][NVV];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int i = base + u * TPW + sub;
+    for (int u = 0; u < UV; ++u) {
+      const int i = base + u * TPWV + subv;
       if (i < n) {
-        const T* row = v_cache + row_offset(i);
+        const T* row = v_cache + v_row_offset(i);
 #pragma unroll
-        for (int v = 0; v < NV; ++v) vv[u][v] = load_stream16(row + (v * GS + lig) * VE);
+        for (int v = 0; v < NVV; ++v) vv[u][v] = load_stream16(row + (v * GSV + ligv) * VE);
       }
     }
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int i = base + u * TPW + sub;
+    for (int u = 0; u < UV; ++u) {
+      const int i = base + u * TPWV + subv;
       if (i < n) {
-        float val[EPL];
+        float val[EPLV];
 #pragma unroll
-        for (int v = 0; v < NV; ++v) Vec16<T>::to_float(vv[u][v], val + v * VE);
+        for (int v = 0; v < NVV; ++v) Vec16<T>::to_float(vv[u][v], val + v * VE);
         float prob[GPAD];
         if constexpr (GPAD % 4 == 0) {
 #pragma unroll
@@ -251,37 +274,38 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_split_kernel(const D
 #pragma unroll
         for (int g = 0; g < GPAD; ++g)
 #pragma unroll
-          for (int e = 0; e < EPL; ++e) acc[g][e] = fmaf(prob[g], val[e], acc[g][e]);
+          for (int e = 0; e < EPLV; ++e) acc[g][e] = fmaf(prob[g], val[e], acc[g][e]);
       }
     }
   }
 
   // Add the token groups of each warp, then the warps, in a fixed order.
 #pragma unroll
-  for (int offset = GS; offset < 32; offset *= 2)
+  for (int offset = GSV; offset < 32; offset *= 2)
 #pragma unroll
     for (int g = 0; g < GPAD; ++g)
 #pragma unroll
-      for (int e = 0; e < EPL; ++e) acc[g][e] += __shfl_xor_sync(0xffffffffu, acc[g][e], offset);
+      for (int e = 0; e < EPLV; ++e) acc[g][e] += __shfl_xor_sync(0xffffffffu, acc[g][e], offset);
   __syncthreads();  // every warp is done reading probabilities: the score area becomes the reduction area
-  float* red_acc = scores;  // [NW][GPAD][D]
-  if (sub == 0) {
+  float* red_acc = scores;  // [NW][GPAD][DV]
+  if (subv == 0) {
 #pragma unroll
     for (int g = 0; g < GPAD; ++g)
 #pragma unroll
-      for (int v = 0; v < NV; ++v)
+      for (int v = 0; v < NVV; ++v)
 #pragma unroll
-        for (int e = 0; e < VE; ++e) red_acc[(warp * GPAD + g) * D + (v * GS + lig) * VE + e] = acc[g][v * VE + e];
+        for (int e = 0; e < VE; ++e)
+          red_acc[(warp * GPAD + g) * DV + (v * GSV + ligv) * VE + e] = acc[g][v * VE + e];
   }
   __syncthreads();
 
   const bool direct = range.num_splits == 1;
-  for (int idx = tid; idx < heads * D; idx += NT) {
-    const int g = idx / D;
-    const int d = idx % D;
+  for (int idx = tid; idx < heads * DV; idx += NT) {
+    const int g = idx / DV;
+    const int d = idx % DV;
     float a = 0.f;
 #pragma unroll
-    for (int w = 0; w < NW; ++w) a += red_acc[(w * GPAD + g) * D + d];
+    for (int w = 0; w < NW; ++w) a += red_acc[(w * GPAD + g) * DV + d];
     float l = stat_sum[g];
     // The sink's term relative to this split's max; a sink far above every score gives inf here and the output 0,
     // its limit. Only the request's normalisation adds it: here for a one-split request, else in the merge.
@@ -289,10 +313,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_split_kernel(const D
     const float o = l > 0.f ? a / l : 0.f;
     const int64_t bh = static_cast<int64_t>(b) * p.num_heads + head0 + g;
     if (direct) {
-      static_cast<T*>(p.out)[bh * D + d] = from_float<T>(o);
+      static_cast<T*>(p.out)[bh * DV + d] = from_float<T>(o);
     } else {
       const int64_t at = bh * p.max_splits + split;
-      p.partial_out[at * D + d] = o;
+      p.partial_out[at * DV + d] = o;
       if (d == 0) {
         p.partial_max[at] = stat_max[g];
         p.partial_sum[at] = l;
@@ -305,6 +329,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_split_kernel(const D
 // w_s = sum_s * exp2(max_s - max), summed in split order by every thread (no order depends on the launch).
 template <typename T>
 __global__ void __launch_bounds__(kMergeThreads) decode_merge_kernel(const DecodeParams p, int head_dim) {
+  // head_dim: V's (the outputs' and partials' columns).
   __shared__ float weights[kMergeChunk];
   __shared__ float warp_max[kMergeThreads / 32];
   const int head = blockIdx.x;

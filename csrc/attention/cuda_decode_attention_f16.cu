@@ -4,9 +4,9 @@
 namespace cbcore {
 namespace cuda {
 
-cudaError_t launch_decode_attention_f16(const DecodeParams& p, int head_dim, int gpad, dim3 grid, int smem_bytes,
-                                     cudaStream_t stream) {
-  return launch_decode_attention<__half>(p, head_dim, gpad, grid, smem_bytes, stream);
+cudaError_t launch_decode_attention_f16(const DecodeParams& p, int head_dim, int v_head_dim, int gpad, dim3 grid,
+                                        int smem_bytes, cudaStream_t stream) {
+  return launch_decode_attention<__half>(p, head_dim, v_head_dim, gpad, grid, smem_bytes, stream);
 }
 
 }  // namespace cuda

@@ -16,15 +16,15 @@ constexpr int kMergeThreads = 128;       // threads per CTA of the merge kernel
 constexpr int kMergeChunk = 256;         // split weights staged in shared memory at a time by the merge kernel
 
 struct DecodeParams {
-  void* out;                  // [B, H, D], q's dtype
-  float* partial_out;         // [B, H, max_splits, D]: per-split normalised outputs (unused when max_splits == 1)
+  void* out;                  // [B, H, DV], q's dtype (DV: V's head dim, D unless V has its own)
+  float* partial_out;         // [B, H, max_splits, DV]: per-split normalised outputs (unused when max_splits == 1)
   float* partial_max;         // [B, H, max_splits]: per-split max score (log2 domain)
   float* partial_sum;         // [B, H, max_splits]: per-split sum of exp2(score - max)
   const void* q;              // [B, H, D], last dim contiguous
   int64_t q_stride_b;
   int64_t q_stride_h;
   const void* k_cache;        // [num_blocks, page_size, num_kv_heads, D], contiguous
-  const void* v_cache;
+  const void* v_cache;        // [num_blocks, page_size, num_kv_heads, DV], contiguous
   const int32_t* block_table;  // [B, table_width], rows of stride bt_stride
   int64_t bt_stride;
   const int32_t* seq_lens;    // [B]
@@ -64,16 +64,17 @@ __host__ __device__ __forceinline__ KeyRange key_range(int seq_len, int table_wi
 }
 
 // Shared memory of the split kernel, in floats: the score area (split_tokens x GPAD scores, later reused for the
-// NW x GPAD x D cross-warp reduction), the per-warp statistics, the per-head max and sum; then the split's block ids.
-__host__ __device__ __forceinline__ int decode_score_floats(int split_tokens, int gpad, int head_dim) {
+// NW x GPAD x DV cross-warp reduction of the V accumulators), the per-warp statistics, the per-head max and sum; then
+// the split's block ids.
+__host__ __device__ __forceinline__ int decode_score_floats(int split_tokens, int gpad, int v_head_dim) {
   const int scores = split_tokens * gpad;
-  const int reduce = kDecodeWarps * gpad * head_dim;
+  const int reduce = kDecodeWarps * gpad * v_head_dim;
   return scores > reduce ? scores : reduce;
 }
 
-__host__ __device__ __forceinline__ int decode_smem_bytes(int split_tokens, int gpad, int head_dim,
+__host__ __device__ __forceinline__ int decode_smem_bytes(int split_tokens, int gpad, int v_head_dim,
                                                           int max_pages_per_split) {
-  const int floats = decode_score_floats(split_tokens, gpad, head_dim) + kDecodeWarps * gpad + 2 * gpad;
+  const int floats = decode_score_floats(split_tokens, gpad, v_head_dim) + kDecodeWarps * gpad + 2 * gpad;
   return static_cast<int>(sizeof(float)) * floats + static_cast<int>(sizeof(int)) * max_pages_per_split;
 }
 
@@ -108,7 +109,7 @@ struct DecodePlan {
 
 // The plan for a batch; needs only shapes (never seq_lens, which live on the device). span is the longest key range
 // a request can have: the block table's capacity, or the window when that is shorter.
-inline DecodePlan plan_decode(int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+inline DecodePlan plan_decode(int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t v_head_dim,
                               int64_t page_size, int64_t table_width, int64_t sliding_window, bool deterministic,
                               int64_t target_ctas) {
   DecodePlan plan{};
@@ -128,7 +129,7 @@ inline DecodePlan plan_decode(int64_t batch, int64_t num_heads, int64_t num_kv_h
                                    : 0;
   // A split of S keys starting anywhere in a page touches at most ceil(S / page) + 1 pages.
   plan.max_pages_per_split = static_cast<int>((plan.split_tokens + page_size - 1) / page_size + 1);
-  plan.smem_bytes = decode_smem_bytes(plan.split_tokens, plan.gpad, static_cast<int>(head_dim),
+  plan.smem_bytes = decode_smem_bytes(plan.split_tokens, plan.gpad, static_cast<int>(v_head_dim),
                                       plan.max_pages_per_split);
   plan.grid_x = static_cast<unsigned>(num_kv_heads * plan.num_head_chunks);
   plan.grid_y = static_cast<unsigned>(batch);
@@ -136,15 +137,22 @@ inline DecodePlan plan_decode(int64_t batch, int64_t num_heads, int64_t num_kv_h
   return plan;
 }
 
+// The (K, V) head dims the kernels are compiled for: equal dims of 64, 128 or 256, and multi-head latent attention's
+// K 192 / V 128 (DeepSeek-V2/V3 and their relatives).
+__host__ __device__ constexpr bool decode_head_dims_supported(int64_t head_dim, int64_t v_head_dim) {
+  return (head_dim == v_head_dim && (head_dim == 64 || head_dim == 128 || head_dim == 256)) ||
+         (head_dim == 192 && v_head_dim == 128);
+}
+
 // Launch the split kernel over `grid` = (kv_heads x head chunks, batch, max_splits) and, when a request can have
 // more than one split, the merge kernel over (heads, batch); one per element type (cuda_decode_attention_<dtype>.cu).
-// They return the launch status.
-cudaError_t launch_decode_attention_f16(const DecodeParams& p, int head_dim, int gpad, dim3 grid, int smem_bytes,
-                                        cudaStream_t stream);
-cudaError_t launch_decode_attention_bf16(const DecodeParams& p, int head_dim, int gpad, dim3 grid, int smem_bytes,
-                                         cudaStream_t stream);
-cudaError_t launch_decode_attention_f32(const DecodeParams& p, int head_dim, int gpad, dim3 grid, int smem_bytes,
-                                        cudaStream_t stream);
+// They return the launch status (cudaErrorInvalidValue for head dims outside decode_head_dims_supported).
+cudaError_t launch_decode_attention_f16(const DecodeParams& p, int head_dim, int v_head_dim, int gpad, dim3 grid,
+                                        int smem_bytes, cudaStream_t stream);
+cudaError_t launch_decode_attention_bf16(const DecodeParams& p, int head_dim, int v_head_dim, int gpad, dim3 grid,
+                                         int smem_bytes, cudaStream_t stream);
+cudaError_t launch_decode_attention_f32(const DecodeParams& p, int head_dim, int v_head_dim, int gpad, dim3 grid,
+                                        int smem_bytes, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace cbcore

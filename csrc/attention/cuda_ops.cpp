@@ -141,8 +141,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   TORCH_CHECK(k_cache.dim() == 4,
               "decode_attention: k_cache must be [num_blocks, page_size, kv_heads, head_dim], got shape ",
               k_cache.sizes());
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "decode_attention: v_cache has shape ", v_cache.sizes(),
-              " but k_cache has shape ", k_cache.sizes(), "; they must match");
+  TORCH_CHECK(v_cache.dim() == 4 && v_cache.sizes().slice(0, 3) == k_cache.sizes().slice(0, 3),
+              "decode_attention: v_cache has shape ", v_cache.sizes(), " but k_cache has shape ", k_cache.sizes(),
+              "; they must match but for the head dim");
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat,
               "decode_attention: q must be float16, bfloat16 or float32, got ", dtype);
@@ -156,10 +157,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int64_t num_cache_blocks = k_cache.size(0);
   const int64_t page_size = k_cache.size(1);
   const int64_t num_kv_heads = k_cache.size(2);
+  const int64_t v_head_dim = v_cache.size(3);
   TORCH_CHECK(k_cache.size(3) == head_dim, "decode_attention: q has head_dim ", head_dim, " but the cache has ",
               k_cache.size(3));
-  TORCH_CHECK(head_dim == 64 || head_dim == 128 || head_dim == 256,
-              "decode_attention: head_dim must be 64, 128 or 256, got ", head_dim);
+  TORCH_CHECK(decode_head_dims_supported(head_dim, v_head_dim),
+              "decode_attention: head_dim must be 64, 128 or 256 (V's the same), or K 192 with V 128; got K ",
+              head_dim, ", V ", v_head_dim);
   TORCH_CHECK(num_kv_heads >= 1 && num_heads % num_kv_heads == 0, "decode_attention: q has ", num_heads,
               " heads, which is not a multiple of the cache's ", num_kv_heads, " kv heads");
   TORCH_CHECK(page_size >= 1 && (page_size & (page_size - 1)) == 0,
@@ -202,7 +205,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   }
   TORCH_CHECK(batch <= 65535, "decode_attention: at most 65535 requests per call, got ", batch);
 
-  at::Tensor out = at::empty({batch, num_heads, head_dim}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = at::empty({batch, num_heads, v_head_dim}, q.options().memory_format(at::MemoryFormat::Contiguous));
   if (batch == 0 || num_heads == 0) return out;
 
   const c10::cuda::CUDAGuard guard(device);
@@ -210,7 +213,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   TORCH_CHECK(table_width * page_size <= std::numeric_limits<int32_t>::max(), "decode_attention: block_table covers ",
               table_width * page_size, " tokens, more than int32 positions can address");
   const int num_sms = multiprocessor_count(device.index());
-  const DecodePlan plan = plan_decode(batch, num_heads, num_kv_heads, head_dim, page_size, table_width,
+  const DecodePlan plan = plan_decode(batch, num_heads, num_kv_heads, v_head_dim, page_size, table_width,
                                       sliding_window, deterministic,
                                       static_cast<int64_t>(ctas_per_sm_target()) * num_sms);
   TORCH_CHECK(plan.max_splits <= 65535, "decode_attention: a context of ", table_width * page_size,
@@ -224,7 +227,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   at::Tensor partial_out, partial_stats;
   if (max_splits > 1) {
     const auto f32 = q.options().dtype(at::kFloat);
-    partial_out = at::empty({batch, num_heads, max_splits, head_dim}, f32);
+    partial_out = at::empty({batch, num_heads, max_splits, v_head_dim}, f32);
     partial_stats = at::empty({2, batch, num_heads, max_splits}, f32);
     p.partial_out = partial_out.data_ptr<float>();
     p.partial_max = partial_stats[0].data_ptr<float>();
@@ -257,12 +260,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
               " bytes of shared memory needed");
   const dim3 grid(plan.grid_x, plan.grid_y, plan.grid_z);
   const cudaStream_t stream = current_stream(device.index());
-  const int hd = static_cast<int>(head_dim);
+  const int hd = static_cast<int>(head_dim), vd = static_cast<int>(v_head_dim);
   cudaError_t status;
   switch (dtype) {
-    case at::kHalf: status = launch_decode_attention_f16(p, hd, plan.gpad, grid, plan.smem_bytes, stream); break;
-    case at::kBFloat16: status = launch_decode_attention_bf16(p, hd, plan.gpad, grid, plan.smem_bytes, stream); break;
-    default: status = launch_decode_attention_f32(p, hd, plan.gpad, grid, plan.smem_bytes, stream); break;
+    case at::kHalf: status = launch_decode_attention_f16(p, hd, vd, plan.gpad, grid, plan.smem_bytes, stream); break;
+    case at::kBFloat16:
+      status = launch_decode_attention_bf16(p, hd, vd, plan.gpad, grid, plan.smem_bytes, stream);
+      break;
+    default: status = launch_decode_attention_f32(p, hd, vd, plan.gpad, grid, plan.smem_bytes, stream); break;
   }
   C10_CUDA_CHECK(status);
   return out;

@@ -28,7 +28,8 @@ void cache_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_c
 // block_table [B, max_blocks] (int32). sliding_window -1: none; else the query at position len - 1 sees keys
 // k > len - 1 - window. deterministic: fixed split size, so the result of a request is bitwise independent of the
 // batch it is in. softcap 0: none; else scores s become softcap * tanh(s / softcap) before the softmax. sinks: None,
-// or [H] float32 sink logits joining each request's softmax denominator (no value). Returns [B, H, D] in q's dtype.
+// or [H] float32 sink logits joining each request's softmax denominator (no value). v_cache may have its own head dim
+// DV (K 192 / V 128: multi-head latent attention). Returns [B, H, DV] in q's dtype.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
                             int64_t sliding_window, bool deterministic, double softcap,
