@@ -137,7 +137,8 @@ def paged_attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention signature: query `[1, heads, T, d]`, key/value `[1, kv_heads, T, d]` -> `[1, T, heads, d]`."""
+    """transformers attention signature: query `[1, heads, T, d]`, key/value `[1, kv_heads, T, d]` / `[1, kv_heads,
+    T, d_v]` -> `[1, T, heads, d_v]` (d_v: V's head dim, d unless the model has latent attention)."""
     step: StepMetadata | None = kwargs.pop(STEP_KWARG, None)
     if step is None:  # not one of cbcore's steps: behave like transformers' sdpa, or the model's eager (see above)
         if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
