@@ -5,7 +5,7 @@ config, a few prompts of different lengths are served through cbcore (small page
 prompts are chunked) and through `model.generate` one prompt at a time (greedy, fp32, the model's own attention),
 and the model is classified:
 
-    SAME     identical greedy tokens for every prompt
+    SAME     identical greedy tokens for every prompt, and each token's logprob within 1e-5 of generate's
     REFUSED  cbcore raised NotImplementedError/ValueError naming the model class before serving anything
     WRONG    cbcore finished, with different tokens (the one outcome that must never happen)
     CRASH    any other failure inside cbcore (an exception, a FAILED request)
@@ -46,6 +46,8 @@ SLIDING_WINDOW = 8
 # Random init gives near-uniform attention, which hides masking, position and window bugs; sharpen it.
 QK_SCALE = 6.0
 SEED = 1234
+# Largest difference allowed between cbcore's and generate's log-probability of each generated token (fp32).
+LOGPROB_TOLERANCE = 1e-5
 
 # Config attribute -> the tiny value (None: leave it). Applied to the config and every sub-config.
 _HIDDEN = ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "word_embed_proj_dim", "hidden_dim", "d_embed")
@@ -151,8 +153,8 @@ def _shrink(config) -> dict:
             overrides[key] = tiny
     if "qk_rope_head_dim" in values and "head_dim" in values:
         overrides["head_dim"] = overrides.get("qk_rope_head_dim", values["qk_rope_head_dim"])  # MLA: the rope part
-    num_layers = next((values[k] for k in _LAYERS if isinstance(values.get(k), int) and not isinstance(values[k], bool)),
-                      None)
+    layer_counts = [values[k] for k in _LAYERS if isinstance(values.get(k), int) and not isinstance(values[k], bool)]
+    num_layers = layer_counts[0] if layer_counts else None
     if num_layers and num_layers > 2:
         keep = [0, 1]
         layer_types = values.get("layer_types")
@@ -243,15 +245,19 @@ def _short(error: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def reference(model, prompt_list) -> list[list[int]]:
-    """`model.generate` on each prompt alone (greedy, fp32, the model's own attention)."""
+def reference(model, prompt_list) -> list[tuple[list[int], list[float]]]:
+    """`model.generate` on each prompt alone (greedy, fp32, the model's own attention): tokens and their logprobs."""
     config = greedy_config()
     outputs = []
     with torch.no_grad():
         for prompt in prompt_list:
             ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-            outputs.append(out[0, len(prompt):].tolist())
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                                 output_scores=True, return_dict_in_generate=True)
+            tokens = out.sequences[0, len(prompt):].tolist()
+            logprobs = [float(torch.log_softmax(score[0].float(), -1)[token])
+                        for score, token in zip(out.scores, tokens)]
+            outputs.append((tokens, logprobs))
     return outputs
 
 
@@ -259,7 +265,8 @@ def serve(model, prompt_list, timeout: float = 120.0) -> list:
     """Serve the prompts through a cbcore manager; the terminal outputs in prompt order."""
     import cbcore
 
-    config = cbcore.ContinuousBatchingConfig(page_size=PAGE_SIZE, max_batch_tokens=MAX_BATCH_TOKENS, num_blocks=64)
+    config = cbcore.ContinuousBatchingConfig(page_size=PAGE_SIZE, max_batch_tokens=MAX_BATCH_TOKENS, num_blocks=64,
+                                             return_logprobs=True)
     manager = cbcore.ContinuousBatchingManager(model, greedy_config(), config)
     manager.start()
     try:
@@ -340,12 +347,18 @@ def _run_one(model_type: str) -> SweepResult:
     for output, prompt, expected in zip(outputs, prompt_list, want):
         if output.error is not None or output.status.name != "FINISHED":
             return done(CRASH, f"{len(prompt)}-token prompt {output.status.name}: {output.error}"[:400])
-    diffs = [(len(p), o.generated_tokens, w) for o, p, w in zip(outputs, prompt_list, want) if o.generated_tokens != w]
+    diffs = [(len(p), o.generated_tokens, w) for o, p, (w, _) in zip(outputs, prompt_list, want)
+             if o.generated_tokens != w]
     if diffs:
         n, got, expected = diffs[0]
         return done(WRONG, f"{len(diffs)}/{len(prompt_list)} prompts differ; {n}-token prompt: cbcore {got} vs "
                            f"generate {expected}")
-    return done(SAME)
+    # Same tokens can hide different numbers (a tiny random model's argmax can ignore attention): logprobs too.
+    worst = max(abs(a - b) for o, (_, ref) in zip(outputs, want) for a, b in zip(o.logprobs, ref))
+    if worst > LOGPROB_TOLERANCE:
+        return done(WRONG, f"same tokens, but logprobs differ from generate's by up to {worst:.2g} "
+                           f"(tolerance {LOGPROB_TOLERANCE:g})")
+    return done(SAME, f"logprobs within {worst:.1g}" if worst else "")
 
 
 def _refusal_reason(error: BaseException, class_name: str) -> str:
@@ -423,10 +436,11 @@ def write_table(results: list[SweepResult], path: Path, seconds: float, jobs: in
         f"{SLIDING_WINDOW}, query/key projections scaled so attention is sharp, embeddings untied), prompts of "
         f"{', '.join(map(str, PROMPT_LENGTHS))} tokens, {MAX_NEW_TOKENS} greedy tokens, served by cbcore "
         f"(page_size={PAGE_SIZE}, max_batch_tokens={MAX_BATCH_TOKENS}: the longest prompt is chunked) and compared "
-        "token for token with `model.generate` on each prompt alone (the model's own attention implementation).",
+        "token for token with `model.generate` on each prompt alone (the model's own attention implementation), and "
+        f"each generated token's log-probability within {LOGPROB_TOLERANCE:g} of generate's.",
         "",
-        "SAME: identical tokens. REFUSED: cbcore raised a clear error naming the model before serving anything. "
-        "WRONG: different tokens (must never happen). CRASH: any other failure (must never happen). SKIP: the tiny "
+        "SAME: identical tokens and log-probabilities. REFUSED: cbcore raised a clear error naming the model before "
+        "serving anything. WRONG: different tokens or log-probabilities (must never happen). CRASH: any other failure (must never happen). SKIP: the tiny "
         "model cannot be built or `model.generate` itself fails on it.",
         "",
         f"Counts: {', '.join(f'{k} {v}' for k, v in tally.items())}. Run time {seconds / 60:.1f} min with "
