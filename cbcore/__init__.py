@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 from .config import ContinuousBatchingConfig
 from .manager import ContinuousBatchingManager
 from .mixin import ContinuousMixin, enable
+from .model_support import UnsupportedModelError, check_model_supported
 from .requests import GenerationOutput, RequestStatus
 
 __all__ = [
@@ -18,6 +19,8 @@ __all__ = [
     "ContinuousMixin",
     "GenerationOutput",
     "RequestStatus",
+    "UnsupportedModelError",
+    "check_model_supported",
     "enable",
     "__version__",
 ]
