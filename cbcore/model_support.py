@@ -40,6 +40,11 @@ from collections.abc import Iterator
 
 import torch
 
+from .cache import CacheShape, PagedKVCache
+from .requests import RequestState, RequestStatus
+from .runner import ModelRunner
+from .scheduler import FifoOrder, Scheduler
+
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 SELF_CHECK_ENV = "CBCORE_SELF_CHECK"
 
@@ -112,8 +117,6 @@ def unsupported_reasons(model: torch.nn.Module) -> list[str]:
     reasons += _signature_reasons(model)
     reasons += _attention_reasons(model, config)
     if not reasons:
-        from .cache import CacheShape
-
         try:  # the cache's own reading of the config: one K/V shape for every layer
             CacheShape.from_model_config(model.config, model.dtype)
         except (ValueError, AttributeError, TypeError) as error:
@@ -303,23 +306,15 @@ def self_check(model: torch.nn.Module, reference_attn_implementation: str | None
     key = (model.dtype, str(model.device))
     if not force and key in _checked.get(model, set()):
         return
-    try:
-        problem = _run_self_check(model, reference_attn_implementation)
-    except UnsupportedModelError:
-        raise
-    except Exception as error:  # noqa: BLE001 - whatever breaks in a step means the model is not served exactly
-        problem = f"cbcore's paged forward raised {type(error).__name__}: {error}"
+    problem = _run_self_check(model, reference_attn_implementation)
     if problem is not None:
         raise _unsupported(model, [f"the start-up self-check failed: {problem}"])
     _checked.setdefault(model, set()).add(key)
 
 
 def _run_self_check(model: torch.nn.Module, reference_attn_implementation: str | None) -> str | None:
-    from .cache import CacheShape, PagedKVCache
-    from .requests import RequestState, RequestStatus
-    from .runner import ModelRunner
-    from .scheduler import FifoOrder, Scheduler
-
+    """What the self-check saw wrong, or None. Only the model's forwards are guarded: an error in building the
+    throwaway engine is cbcore's own and propagates as it is."""
     device = model.device
     shape = CacheShape.from_model_config(model.config, model.dtype)
     longest = max(_CHECK_PROMPT_LENGTHS) + _CHECK_DECODE_STEPS
@@ -350,11 +345,14 @@ def _run_self_check(model: torch.nn.Module, reference_attn_implementation: str |
             return f"the throwaway engine could not schedule the check ({batch.failed or batch.capped})"
         counts = [0] * num_layers
 
-        def count_calls(step):
+        def count_calls(step, counts=counts):
             step.key_caches = _CountingPages(step.key_caches, counts)
             return step
 
-        logits, emitted = runner.forward(batch, step_hook=count_calls)
+        try:
+            logits, emitted = runner.forward(batch, step_hook=count_calls)
+        except Exception as error:  # noqa: BLE001 - whatever breaks in a step means the model is not served exactly
+            return f"cbcore's paged forward raised {type(error).__name__}: {error}"
         if counts != [1] * num_layers:
             return _describe_counts(counts)
         scheduler.on_step_done(batch)
@@ -367,20 +365,21 @@ def _run_self_check(model: torch.nn.Module, reference_attn_implementation: str |
     if scheduler.has_work():
         return "the throwaway engine did not finish the check"
 
-    worst = 0.0
     tolerance = _TOLERANCE.get(model.dtype, 6e-2)
     with _attention_implementation(model, reference_attn_implementation), torch.inference_mode():
         for state in states:
             ids = torch.tensor([state.all_tokens], device=device)
-            reference = model(input_ids=ids, use_cache=False).logits[0].float()
+            try:
+                reference = model(input_ids=ids, use_cache=False).logits[0].float()
+            except Exception as error:  # noqa: BLE001
+                return f"the model's own forward raised {type(error).__name__}: {error} on the check's prompt"
             for position, got in rows[state.request_id]:
                 want = reference[position]
-                error = float((got - want).abs().max()) / max(1.0, float(want.abs().max()))
-                worst = max(worst, error)
-                if error > tolerance:
+                difference = float((got - want).abs().max()) / max(1.0, float(want.abs().max()))
+                if difference > tolerance:
                     return (
                         f"logits at position {position} of a {len(state.initial_tokens)}-token prompt differ from the "
-                        f"model's own forward by {error:.3g} (relative; tolerance {tolerance:g} for {model.dtype}), "
+                        f"model's own forward by {difference:.3g} (relative; tolerance {tolerance:g} for {model.dtype}), "
                         f"so cbcore's paged steps do not compute what this model computes"
                     )
     return None
