@@ -1,7 +1,10 @@
 """transformers' own continuous-batching tests (`tests/generation/test_continuous_batching.py` in transformers'
 repository, the version matching 5.24), ported to run against cbcore through its public API.
 
-The original has 65 test methods (142 cases once parametrized). Each one maps here to exactly one of:
+The original has 65 test methods (142 cases once parametrized). 34 methods (41 cases) are ported, one case of them an
+expected failure; 31 methods are skipped whole, and 18 cases of ported methods are skipped parameters (101 cases in
+all: 53 private internals, 48 that need a GPU, flash-attn, kernels, several GPUs, CUDA graphs, async batching or
+torch.compile). Each original maps here to exactly one of:
 
 - a port: a test of the same behaviour, named for it, with the original's name in its docstring. The originals load
   TinyLlama / Qwen2.5 / Gemma checkpoints and compare with a padded `model.generate`; the ports use the suite's tiny
@@ -30,7 +33,6 @@ from unittest import mock
 
 import pytest
 import torch
-from transformers import ContinuousBatchingConfig as TransformersCBConfig
 from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GenerationConfig
 
 import cbcore
@@ -188,8 +190,8 @@ SKIPPED_ORIGINALS = [
     ("test_group_layers (9 cases)",
      f"{PRIVATE} tests/test_attention_features.py (cache.group_layers_by_attn_type, on a config downloaded from the "
      "hub; cbcore keeps one page layout for every layer and applies each layer's window in attention: models "
-     "alternating sliding and full layers equal generate there, and test_hybrid_model_crossing_the_window_equals_generate "
-     "here)"),
+     "alternating sliding and full layers equal generate there, and "
+     "test_hybrid_model_crossing_the_window_equals_generate here)"),
     ("test_attention_mask (6 cases)",
      f"{PRIVATE} tests/test_ops.py (input_outputs.build_attention_mask; cbcore builds no mask, its kernels apply "
      "causality and the window: test_reference_prefill_and_decode_match_dense_attention)"),
@@ -308,8 +310,10 @@ def test_history_and_length_aware_processors_equal_independent_generation(proces
     free = reference_tokens(model, prompts[1], greedy_config(12))
     config = greedy_config(12)
     config.update(**_history_processor_settings(free)[processor])
-    assert_generate_batch_equals_generate(model, prompts, config,
-                                          cbcore.ContinuousBatchingConfig(page_size=4, max_batch_tokens=16))
+    outputs = assert_generate_batch_equals_generate(model, prompts, config,
+                                                    cbcore.ContinuousBatchingConfig(page_size=4, max_batch_tokens=16))
+    unprocessed = [reference_tokens(model, prompt, greedy_config(12)) for prompt in prompts]
+    assert [o.generated_tokens for o in outputs.values()] != unprocessed, "the setting changed nothing on this model"
 
 
 def test_processors_apply_in_the_order_generate_builds_them() -> None:
@@ -321,8 +325,8 @@ def test_processors_apply_in_the_order_generate_builds_them() -> None:
     config = GenerationConfig(max_new_tokens=10, do_sample=True, temperature=2.0, no_repeat_ngram_size=2,
                               eos_token_id=None, pad_token_id=0)
     cbcore.enable(model)
-    outputs = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cbcore.ContinuousBatchingConfig(
-        page_size=4, return_logprobs=True, seed=7))
+    cb_config = cbcore.ContinuousBatchingConfig(page_size=4, return_logprobs=True, seed=7)
+    outputs = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cb_config)
     for prompt, output in zip(prompts, outputs.values()):
         tokens = output.generated_tokens
         assert len(tokens) == 10
@@ -342,7 +346,8 @@ def test_history_dependent_processors_give_generates_tokens(name: str, settings:
     model = tiny_model("qwen2")
     config = greedy_config(20)
     config.update(**settings)
-    assert_generate_batch_equals_generate(model, prompts_for(102), config, cbcore.ContinuousBatchingConfig(page_size=16))
+    assert_generate_batch_equals_generate(model, prompts_for(102), config,
+                                          cbcore.ContinuousBatchingConfig(page_size=16))
 
 
 PER_REQUEST = [dict(temperature=1.0, top_k=10, top_p=0.9), dict(temperature=1.0, top_k=50, top_p=0.99)]
@@ -628,8 +633,9 @@ def test_logprobs_equal_generates_scores(use_cuda_graph: bool, use_async_batchin
     config = greedy_config(10, eos_token_id=VOCAB - 1)
     prompts = random_prompts([6, 13], seed=111)
     cbcore.enable(model)
-    outputs = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cbcore.ContinuousBatchingConfig(
-        use_cuda_graph=use_cuda_graph, use_async_batching=use_async_batching, return_logprobs=True, page_size=4))
+    cb_config = cbcore.ContinuousBatchingConfig(use_cuda_graph=use_cuda_graph, use_async_batching=use_async_batching,
+                                                return_logprobs=True, page_size=4)
+    outputs = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cb_config)
     for prompt, output in zip(prompts, outputs.values()):
         tokens, logprobs = generate_with_scores(model, prompt, config)
         assert output.generated_tokens == tokens
@@ -739,13 +745,16 @@ def test_prefix_sharing_reuses_the_first_requests_full_block() -> None:
     stats = _second_identical_request_reuses_the_first_block(tiny_model("qwen2"))
     assert stats["prefix_hit_tokens"] == SHARING_PAGE
     assert stats["computed_prompt_tokens"] == 2 * 45 - SHARING_PAGE
+    assert stats["blocks_cached"] == 2, "the second request's identical full block was kept twice"
 
 
 def test_block_sharing_on_a_hybrid_model_keeps_outputs() -> None:
     """Original: test_block_sharing_with_hybrid_model (gemma-3-1b-it). transformers turns prefix sharing off when
     sliding-window layers keep a rolling buffer; cbcore keeps every layer's pages whole, so it may share them: what
-    both must keep is the output, identical for both requests and equal to `model.generate`'s."""
-    _second_identical_request_reuses_the_first_block(tiny_gemma3())
+    both must keep is the output, identical for both requests and equal to `model.generate`'s. (cbcore shares the
+    first page here as on a full-attention model; an optimisation, not a difference a caller can see.)"""
+    stats = _second_identical_request_reuses_the_first_block(tiny_gemma3())
+    assert stats["prefix_hit_tokens"] == SHARING_PAGE
 
 
 @pytest.mark.parametrize("allow_block_sharing", [True, False], ids=["sharing", "no_sharing"])
@@ -797,8 +806,8 @@ def test_attention_is_switched_at_start_and_restored_at_stop(loaded_attn_impleme
     try:
         original = model.config._attn_implementation
         cbcore.enable(model)
-        manager = model.init_continuous_batching(
-            continuous_batching_config=cbcore.ContinuousBatchingConfig(num_blocks=8, page_size=32, use_cuda_graph=False))
+        cb_config = cbcore.ContinuousBatchingConfig(num_blocks=8, page_size=32, use_cuda_graph=False)
+        manager = model.init_continuous_batching(continuous_batching_config=cb_config)
         assert model.config._attn_implementation == original
         manager.start()
         try:
@@ -1117,25 +1126,10 @@ def test_a_seed_makes_sampling_reproducible_and_no_seed_still_samples() -> None:
     cbcore.enable(model)
 
     def run(seed):
-        outputs = model.generate_batch(prompts, generation_config=config,
-                                       continuous_batching_config=cbcore.ContinuousBatchingConfig(page_size=4, seed=seed))
+        cb_config = cbcore.ContinuousBatchingConfig(page_size=4, seed=seed)
+        outputs = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cb_config)
         assert all(output.status == RequestStatus.FINISHED for output in outputs.values())
         return [output.generated_tokens for output in outputs.values()]
 
     assert run(42) == run(42)
     assert all(len(tokens) == 8 for tokens in run(None))
-
-
-def test_a_transformers_config_drives_cbcore_the_same_way() -> None:
-    """Not an original test, but what every ported parity test assumes: the same `generate_batch` through
-    transformers' own manager and through cbcore gives the same tokens (as tests/test_transformers_parity.py shows
-    for more scenarios)."""
-    model = tiny_model("qwen2")
-    prompts = random_prompts([5, 16], seed=118)
-    config = greedy_config(8, eos_token_id=VOCAB - 1)
-    theirs = type(model).generate_batch(model, prompts, generation_config=config,
-                                        continuous_batching_config=TransformersCBConfig(page_size=16, num_blocks=32))
-    cbcore.enable(model)
-    ours = model.generate_batch(prompts, generation_config=config,
-                                continuous_batching_config=TransformersCBConfig(page_size=16, num_blocks=32))
-    assert {rid: o.generated_tokens for rid, o in ours.items()} == {rid: o.generated_tokens for rid, o in theirs.items()}
