@@ -104,8 +104,10 @@ def _tiny_value(key: str, value, config_dict: dict):
         return min(value, 2)
     if key in ("n_group", "topk_group", "n_shared_experts", "num_shared_experts", "moe_num_shared_experts"):
         return min(value, 1)
-    if key == "vocab_size":
+    if key in ("vocab_size", "vocab_size_per_layer_input"):
         return VOCAB
+    if key == "hidden_size_per_layer_input":
+        return 16 if value else value
     if key in _POSITIONS:
         return 512
     if key == "sliding_window" or key == "attention_window_size":
@@ -142,7 +144,10 @@ def _shrink(config) -> dict:
     values = config.to_dict()
     overrides = {}
     for key, value in values.items():
-        sub = getattr(config, key, None)
+        try:
+            sub = getattr(config, key, None)
+        except Exception:  # noqa: BLE001 - a per-layer field read globally (Gemma-4) is no sub-config
+            sub = None
         if hasattr(sub, "to_dict") and hasattr(sub, "model_type"):
             shrunk = _shrink(sub)
             if shrunk:  # an empty dict would rebuild the sub-config from its class defaults (DBRX's lose rope_theta)
@@ -169,10 +174,29 @@ def _shrink(config) -> dict:
                 overrides[key] = [value[i] for i in keep]
             elif isinstance(value, str) and len(value) == num_layers and key.endswith("pattern"):
                 overrides[key] = "".join(value[i] for i in keep)
+        per_layer = values.get("per_layer_config")
+        if isinstance(per_layer, dict) and per_layer:
+            # Heterogeneous configs (Gemma-4): {layer index: fields that differ}; keep the kept layers' entries, their
+            # sizes scaled like the global ones so that the layers still differ.
+            shrunk_layers = {}
+            for new_index, old_index in enumerate(keep):
+                entry = next((v for k, v in per_layer.items() if k.isdigit() and int(k) == old_index), None)
+                if entry:
+                    shrunk_layers[str(new_index)] = {
+                        k: _scaled(v, values.get(k), overrides.get(k)) for k, v in entry.items()
+                    }
+            overrides["per_layer_config"] = shrunk_layers
     for key in ("tie_word_embeddings", "tie_word_embedding"):
         if key in values:
             overrides[key] = False
     return overrides
+
+
+def _scaled(value, global_value, tiny_global):
+    """A per-layer size scaled as its global value was (512 where the global is 256 -> twice the tiny global)."""
+    if isinstance(value, int) and isinstance(global_value, int) and isinstance(tiny_global, int) and global_value:
+        return max(1, value * tiny_global // global_value)
+    return value
 
 
 def tiny_config(model_type: str):
