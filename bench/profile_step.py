@@ -2,8 +2,8 @@
 
     python bench/profile_step.py [--workload W1] [--dtype float32] [--threads 2]
 
-Runs the workload's requests through a `ContinuousBatchingManager` stepped in this thread (the loop's own `_step`, as
-its thread would run it) and times, per step: scheduling (`Scheduler.schedule` + `on_step_done`), building the batch
+Runs the workload's requests through the manager's `EngineCore`, stepped in this thread (`EngineCore.step()`, as the
+manager's loop thread runs it) and times, per step: scheduling (`Scheduler.schedule` + `on_step_done`), building the batch
 (`ModelRunner.prepare`), the forward, and sampling; inside the forward: the linear layers, the attention kernels
 (`ops.cache_write`, `decode_attention`, `prefill_attention`) and the rest (norms, RoPE, activations, residuals, and
 transformers' Python between them). Steps are split into decode-only steps and steps with prefill rows. Writes
@@ -28,7 +28,7 @@ import cbcore  # noqa: E402
 from bench.peers import generation_config  # noqa: E402
 from bench.workloads import build_workload, model_folder  # noqa: E402
 from cbcore import ops  # noqa: E402
-from cbcore.linear import PackedLinears  # noqa: E402
+from cbcore.requests import RequestState  # noqa: E402
 
 PARTS = ("schedule", "prepare", "linear", "attention", "forward_rest", "sample", "other")
 
@@ -68,10 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     hints = WorkloadHints(max_prompt_length=longest, max_generated_length=workload.max_new_tokens,
                           num_requests=len(workload.prompts))
     manager = cbcore.ContinuousBatchingManager(model, generation_config(workload), None, hints)
-    # What start() sets up (engine, attention switch, packed linears), without the loop thread: this thread steps.
-    manager.warmup()
-    manager.switch_to_cb_friendly_attn(model)
-    manager._packed_linears = PackedLinears.attach(model)
+    manager.warmup()  # builds the engine this thread steps
+    engine = manager.engine
+    engine.binding.attach()  # what start() does to the model: cbcore's attention and the packed linears
     timers = Timers()
     scheduler, runner = manager.scheduler, manager.runner
     scheduler.schedule = timers.wrap("schedule", scheduler.schedule)
@@ -92,14 +91,16 @@ def main(argv: list[str] | None = None) -> int:
     forward = model.forward
     model.forward = timers.wrap("forward", forward)
 
-    manager.add_requests(workload.prompts)
+    for index, prompt in enumerate(workload.prompts):
+        engine.add_request(RequestState(request_id=f"req_{index}", initial_tokens=list(prompt),
+                                        max_new_tokens=workload.max_new_tokens,
+                                        eos_token_id=manager.default_eos_token_id))
     started = time.perf_counter()
     with torch.inference_mode():
-        manager._take_new_requests()
-        while manager.scheduler.has_work():
+        while engine.has_work():
             step_start = time.perf_counter()
             timers.kind = "decode"
-            manager._step()
+            engine.step()
             elapsed = time.perf_counter() - step_start
             part, kind = timers.current, timers.kind
             part["forward_rest"] = part.pop("forward", 0.0) - part["linear"] - part["attention"]
@@ -108,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             timers.steps[kind] += 1
             timers.current = collections.Counter()
     wall = time.perf_counter() - started
-    manager._restore_attn()  # the attention implementation and the packed linears
-    generated = manager.stats()["generated_tokens"]
+    engine.binding.detach()  # the model's own attention implementation and linears again
+    generated = engine.stats()["generated_tokens"]
     lines = [
         f"# Where a {workload.name} step goes ({args.dtype}, {args.threads} threads)",
         "",

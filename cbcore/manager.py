@@ -23,7 +23,6 @@ the differences are listed in the README and DESIGN.md §7.
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import queue
 import threading
@@ -32,35 +31,26 @@ from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import psutil
 import torch
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
-from . import attention, request_inputs
-from .cache import CacheShape, PagedKVCache, plan_num_blocks, useful_blocks
+from . import request_inputs
+from .cache import PagedKVCache
 from .config import ContinuousBatchingConfig, as_cbcore_config
-from .linear import PackedLinears
+from .engine import EngineCore
 from .model_support import check_model_supported, self_check, self_check_enabled
 from .outputs import OutputRouter
 from .requests import GenerationOutput, RequestState, RequestStatus, child_request_id
 from .runner import ModelRunner
-from .sampling import LogitsProcessorSwitch, Sampler
-from .scheduler import SCHEDULING_ORDERS, ScheduledBatch, ScheduledRequest, Scheduler
-from .swap import plan_num_host_blocks
+from .sampling import LogitsProcessorSwitch
+from .scheduler import Scheduler
 
 logger = logging.getLogger("cbcore")
 
-# Default step budgets when the config leaves them None (transformers infers them from GPU memory).
-DEFAULT_MAX_BATCH_TOKENS = {"cpu": 1024, "cuda": 8192}
-FALLBACK_MAX_REQUESTS_PER_BATCH = 1024  # transformers' fallback
-CPU_MAX_MEMORY_PERCENT = 0.6  # transformers' default on CPU; cbcore also caps the bytes (cache.CPU_CACHE_CAP_BYTES)
 # How long add_request waits for room in a full input queue (max_queue_size) before raising queue.Full, as transformers.
 ADD_REQUEST_TIMEOUT_S = 10.0
-# An explicit num_blocks may take at most this share of the memory available when the cache is allocated: beyond it
-# the allocation would push the machine into swap or fail with a raw allocator error.
-MAX_EXPLICIT_CACHE_SHARE = 0.9
 # The generation modes cbcore implements; anything else (beam search, contrastive, assisted, DoLa) is refused rather
 # than run greedily.
 SUPPORTED_GENERATION_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
@@ -116,8 +106,6 @@ class ContinuousBatchingManager:
         self.num_return_sequences = num_return_sequences if num_return_sequences is not None else 1
         if not isinstance(self.num_return_sequences, int) or self.num_return_sequences < 1:
             raise ValueError(f"num_return_sequences must be an int >= 1, got {self.num_return_sequences!r}")
-        self._vocab_size = model.get_input_embeddings().num_embeddings
-        self._position_limit = _absolute_position_limit(model)
 
         self.input_queue: queue.Queue[RequestState] = queue.Queue(
             maxsize=self.continuous_batching_config.max_queue_size
@@ -143,29 +131,13 @@ class ContinuousBatchingManager:
         self._loop_parked = False
         self._pause_owner = threading.local()
 
-        # Engine state, built on first use (warmup or start) and owned by the loop thread afterwards.
-        self.cache: PagedKVCache | None = None
-        self.scheduler: Scheduler | None = None
-        self.runner: ModelRunner | None = None
+        # The engine (cache, scheduler, runner), built on first use (warmup or start) and stepped by the loop thread.
+        self.engine: EngineCore | None = None
         self._engine_needs_rebuild = False  # after the loop died mid-step, its state cannot be trusted
         self.warmed_up = False
-        self._counters = {
-            "steps": 0,
-            "computed_tokens": 0,
-            "computed_prompt_tokens": 0,
-            "recomputed_tokens": 0,
-            "generated_tokens": 0,
-        }
 
-        # The model's attention is switched by start() and handed back when the loop ends: a manager that is built
-        # but never started leaves the model untouched (transformers switches it in __init__).
-        self._model_lock = threading.Lock()
-        self._original_attn_impl: str | None = None
-        # On CPU, start() also runs the model's linear layers on prepacked oneDNN weights during cbcore's steps
-        # (cbcore/linear.py); the end of the loop gives them back.
-        self._packed_linears: PackedLinears | None = None
-        # The parameters' in-place version counters when the loop last looked (see _notice_weight_changes).
-        self._weights_signature: int | None = None
+        # The model is bound to cbcore's attention (engine.binding) by start() and handed back when the loop ends: a
+        # manager that is built but never started leaves the model untouched (transformers switches it in __init__).
         self._use_prefix_sharing = self.continuous_batching_config.allow_block_sharing
 
     # ------------------------------------------------------------------------------------------------ set-up ----
@@ -193,13 +165,19 @@ class ContinuousBatchingManager:
         return prepared
 
     def switch_to_cb_friendly_attn(self, model: torch.nn.Module, auto_switch_to_flash: bool = True) -> None:
-        """Point the model's attention at cbcore's paged attention (handed back when the loop ends). cbcore always
-        uses its own paged kernels, so `auto_switch_to_flash` has no effect. Idempotent. Called by `start()`."""
-        name = attention.register()
-        current = model.config._attn_implementation
-        if current != name and self._original_attn_impl is None:
-            model.set_attn_implementation(name)
-            self._original_attn_impl = current
+        """Point the model's attention at cbcore's paged attention (handed back when the loop ends), building the
+        engine first if needed. cbcore always uses its own paged kernels, so `auto_switch_to_flash` has no effect.
+        Idempotent. Called by `start()`."""
+        if model is not self.model:
+            raise ValueError("switch_to_cb_friendly_attn: this manager serves another model")
+        if self.engine is None or self._engine_needs_rebuild:
+            self._build_engine()
+        self.engine.binding.attach()
+
+    @property
+    def _original_attn_impl(self) -> str | None:
+        """The model's own attention implementation while cbcore's is attached, else None."""
+        return self.engine.binding.original_attn_implementation if self.engine is not None else None
 
     def _resolve_default_eos(self) -> int | list[int]:
         """EOS for requests that give none, exactly as `model.generate` resolves it: the given generation config
@@ -211,116 +189,44 @@ class ContinuousBatchingManager:
 
     def _attach_to_model(self) -> None:
         """What `start()` does to the model: cbcore's attention, and on CPU the packed linear layers."""
-        with self._model_lock:
-            self.switch_to_cb_friendly_attn(self.model)
-            if self._packed_linears is None and self.model.device.type == "cpu":
-                self._packed_linears = PackedLinears.attach(self.model)
+        self.switch_to_cb_friendly_attn(self.model)
 
     def _restore_attn(self) -> None:
         """Hand the model back: its own attention implementation and linear layers. Idempotent; called by the loop
         as it ends (never while it may still step), by a failed `start()`, and by `destroy()`."""
-        with self._model_lock:
-            if self._packed_linears is not None:
-                self._packed_linears.detach()
-                self._packed_linears = None
-            if self._original_attn_impl is not None:
-                self.model.set_attn_implementation(self._original_attn_impl)
-                self._original_attn_impl = None
+        if self.engine is not None:
+            self.engine.binding.detach()
 
     def _build_engine(self) -> None:
-        """Size and allocate the cache, and build the scheduler, sampler and runner. All or nothing: on an error
-        nothing is kept."""
-        self.cache = self.scheduler = self.runner = None
-        cfg = self.continuous_batching_config
-        device = self.model.device
-        shape = CacheShape.from_model_config(self.model.config, self.model.dtype)
-        hints = self.workload_hints
-        max_requests = cfg.max_requests_per_batch
-        if max_requests is None:
-            wanted = hints.num_requests if hints is not None and hints.num_requests > 0 else None
-            max_requests = min(wanted or FALLBACK_MAX_REQUESTS_PER_BATCH, FALLBACK_MAX_REQUESTS_PER_BATCH)
-        max_batch_tokens = cfg.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS.get(device.type, 2048)
-        num_blocks = cfg.num_blocks
-        if num_blocks is None:
-            percent = cfg.max_memory_percent or (CPU_MAX_MEMORY_PERCENT if device.type != "cuda" else 0.9)
-            useful = None
-            if hints is not None and hints.num_requests > 0 and hints.max_prompt_length > 0:
-                longest = hints.max_prompt_length + max(hints.max_generated_length, 1)
-                useful = useful_blocks(hints.num_requests, longest, cfg.page_size)
-            num_blocks = plan_num_blocks(
-                shape, cfg.page_size, device, percent, self._activation_bytes(max_batch_tokens, max_requests), useful
-            )
-        else:
-            _check_cache_fits(shape, num_blocks, cfg.page_size, device)
-        try:
-            cache = PagedKVCache(shape, num_blocks, cfg.page_size, device, cfg.allow_block_sharing)
-        except (RuntimeError, MemoryError) as error:  # torch raises RuntimeError when an allocation fails
-            raise ValueError(
-                f"could not allocate the KV cache (num_blocks={num_blocks} x page_size={cfg.page_size}, "
-                f"{_gib(num_blocks * cfg.page_size * shape.bytes_per_token)} GiB): {error}; lower num_blocks"
-            ) from error
-        if cfg.cpu_offload_space is None or cfg.cpu_offload_space > 0:
-            bytes_per_block = shape.bytes_per_token * cfg.page_size
-            num_host_blocks = plan_num_host_blocks(
-                cfg.cpu_offload_space, cfg.cpu_offload_space_safety_threshold, bytes_per_block
-            )
-            if num_host_blocks < 1:
-                raise ValueError(
-                    f"cpu_offload_space={cfg.cpu_offload_space} GiB holds no block of {bytes_per_block} bytes "
-                    f"(after the cpu_offload_space_safety_threshold cap and what memory is available); raise it or "
-                    "set it to 0 to disable swap"
-                )
-            cache.enable_swap(num_host_blocks)
-            logger.info(
-                f"cbcore: host pool of {num_host_blocks} blocks ({_gib(num_host_blocks * bytes_per_block)} GiB) for "
-                f"cpu_offload_space={cfg.cpu_offload_space}"
-            )
-        max_requests = min(max_requests, max_batch_tokens)
-        scheduler = Scheduler(
-            cache,
-            SCHEDULING_ORDERS[cfg.scheduler_type](),
-            max_batch_tokens=max_batch_tokens,
-            max_requests_per_batch=max_requests,
-            safety_margin=cfg.safety_margin,
-        )
-        generation_config = self._prepared_generation_config
-
-        def processors_for(prompt_length: int, max_new_tokens: int | None, overrides: dict):
-            # As `model.generate` prepares a call: max_length counts from this prompt, so length-dependent
-            # processors (forced EOS at max_length - 1, ...) fire where they would for this request alone.
-            config = copy.deepcopy(generation_config)
-            if max_new_tokens is not None:
-                config.max_length = prompt_length + max_new_tokens
-            for name, value in overrides.items():
-                setattr(config, name, value)
-            return self.model._get_logits_processor(config, input_ids_seq_length=prompt_length, device=device)
-
-        sampler = Sampler(
-            generation_config, processors_for, cfg.return_logprobs, cfg.seed, cfg.per_request_processors,
+        """Build the engine (all or nothing: on an error nothing is kept)."""
+        self.engine = None
+        self.engine = EngineCore(
+            self.model, self._prepared_generation_config, self.continuous_batching_config, self.workload_hints,
             self.logit_processor,
         )
-        self.cache, self.scheduler = cache, scheduler
-        self.runner = ModelRunner(self.model, cache, sampler)
         self._engine_needs_rebuild = False
-        # Record the resolved values, as transformers does after creating its cache.
-        cfg.num_blocks, cfg.max_batch_tokens, cfg.max_requests_per_batch = num_blocks, max_batch_tokens, max_requests
 
-    def _activation_bytes(self, max_batch_tokens: int, max_requests: int) -> int:
-        """Memory one step needs besides the cache: hidden states and MLP activations for every query token, and
-        fp32 logits for every emitting row (computed from the budgets; no [T, T] mask is ever built)."""
-        config = self.model.config.get_text_config()
-        element = torch.empty((), dtype=self.model.dtype).element_size()
-        intermediate = getattr(config, "intermediate_size", 4 * config.hidden_size)
-        per_token = (4 * config.hidden_size + 2 * intermediate) * element
-        logits = max_requests * config.vocab_size * 4 * 2
-        return max_batch_tokens * per_token + logits
+    @property
+    def cache(self) -> PagedKVCache | None:
+        """The engine's paged KV cache (None until the engine is built)."""
+        return self.engine.cache if self.engine is not None else None
+
+    @property
+    def scheduler(self) -> Scheduler | None:
+        """The engine's scheduler (None until the engine is built)."""
+        return self.engine.scheduler if self.engine is not None else None
+
+    @property
+    def runner(self) -> ModelRunner | None:
+        """The engine's model runner (None until the engine is built)."""
+        return self.engine.runner if self.engine is not None else None
 
     def warmup(self) -> None:
         """Build the engine (cache, scheduler, runner) ahead of the first request. cbcore has no CUDA graphs to
         capture yet, so this is all warmup does."""
         self._refuse_if_destroyed("warmup")
         check_model_supported(self.model)  # a model cbcore cannot serve exactly is refused before anything is built
-        if self.cache is None or self._engine_needs_rebuild:
+        if self.engine is None or self._engine_needs_rebuild:
             self._build_engine()
         self.warmed_up = True
 
@@ -344,7 +250,7 @@ class ContinuousBatchingManager:
             return
         try:
             check_model_supported(self.model)  # before the model is touched or the engine built
-            if self.cache is None or self._engine_needs_rebuild:
+            if self.engine is None or self._engine_needs_rebuild:
                 self._build_engine()
             self._attach_to_model()
             if self_check_enabled():  # cbcore's paged path against the model's own forward, before any request
@@ -431,7 +337,7 @@ class ContinuousBatchingManager:
 
     def _release(self) -> None:
         self._restore_attn()
-        self.cache = self.scheduler = self.runner = None
+        self.engine = None
 
     @contextmanager
     def pause(self) -> Iterator[None]:
@@ -689,24 +595,26 @@ class ContinuousBatchingManager:
         # rather than whatever OpenMP gives a new thread. (Some runs here measured torch ops 20-35% slower in a new
         # thread without it; bench/test_bench_linear.py::test_threads tracks it, and it does not always reproduce.)
         torch.set_num_threads(num_threads)
+        engine = self.engine
         try:
             with torch.inference_mode(use_inference_mode):
+                engine.notice_weight_changes()  # since the last session of a kept manager
                 while True:
-                    self._park_while_paused()
+                    if self._park_while_paused():
+                        engine.notice_weight_changes()  # weights change only inside a pause (or between sessions)
                     self._take_new_requests()
                     self._apply_cancellations()
                     if self._stop_mode == _StopMode.HARD:
                         self._end_all("the manager was stopped with hard_stop=True before this request finished")
                         break
-                    if not self.scheduler.has_work():
+                    if not engine.has_work():
                         # add_request is refused once stop() began (same lock), so an empty queue stays empty.
                         if self._stop_mode == _StopMode.FLUSH and self.input_queue.empty():
                             break
                         self._wake_up_loop.wait(timeout=0.1)
                         self._wake_up_loop.clear()
                         continue
-                    self._notice_weight_changes()
-                    self._step()
+                    self._deliver(engine.step())
         except BaseException as error:  # noqa: BLE001 - the loop must report, not vanish
             logger.exception("cbcore generation loop crashed")
             with self._request_lock:
@@ -726,25 +634,16 @@ class ContinuousBatchingManager:
                 self._pause_cond.notify_all()
             self.output_router.wake_all()
 
-    def _notice_weight_changes(self) -> None:
-        """Before each step: if any parameter changed in place since the last step (an update inside `pause()`, an
-        optimizer step between two sessions of a kept manager), K/V cached for the old weights must not be shared
-        with new requests, so the prefix cache is invalidated. Reading ~one counter per parameter costs microseconds."""
-        signature = hash(tuple((id(p), p._version) for p in self.model.parameters()))
-        if self._weights_signature is not None and signature != self._weights_signature:
-            dropped = self.cache.invalidate_prefixes()
-            logger.info(f"cbcore: the model's weights changed; {dropped} cached prefix blocks will not be shared")
-        self._weights_signature = signature
-
-    def _park_while_paused(self) -> None:
-        """Between two steps: while anyone holds the pause, stay parked (and say so)."""
+    def _park_while_paused(self) -> bool:
+        """Between two steps: while anyone holds the pause, stay parked (and say so). Whether it parked."""
         with self._pause_cond:
             if not self._pause_holders:
-                return
+                return False
             self._loop_parked = True
             self._pause_cond.notify_all()
             self._pause_cond.wait_for(lambda: self._pause_holders == 0)
             self._loop_parked = False
+            return True
 
     def _take_new_requests(self) -> None:
         while True:
@@ -756,47 +655,9 @@ class ContinuousBatchingManager:
                 self._queued.pop(state.request_id, None)
                 cancelled = state.cancel_requested
             if cancelled:
-                self._end(state, RequestStatus.CANCELLED, track=False)
-                continue
-            problem = self._validate(state)
-            if problem is not None:
-                state.error = f"request {state.request_id}: {problem}"
-                logger.warning(state.error)
-                self._end(state, RequestStatus.FAILED, track=False)
-                continue
-            self.scheduler.add(state)
-
-    def _validate(self, state: RequestState) -> str | None:
-        """What is wrong with the prompt of a new request, or None. Checked before it touches the engine; the
-        arguments' types were checked by `add_request`, so nothing here can raise."""
-        prompt = state.initial_tokens
-        if not prompt:
-            return "empty prompt: input_ids must hold at least one token"
-        vocab = self._vocab_size
-        bad = next((t for t in prompt if t < 0 or t >= vocab), None)
-        if bad is not None:
-            return f"token id {bad} is outside the vocabulary [0, {vocab})"
-        capacity = self.cache.capacity_tokens
-        if len(prompt) > capacity:
-            return (
-                f"prompt has {len(prompt)} tokens, but the cache holds at most {capacity} tokens per request "
-                f"(num_blocks={self.cache.num_blocks} x page_size={self.cache.page_size}); raise num_blocks or "
-                "shorten the prompt"
-            )
-        # A longer max_new_tokens is accepted, as transformers accepts it: the request ends FINISHED when it alone
-        # fills the cache (scheduler: capped).
-        limit = self._position_limit
-        if limit is not None:
-            # Positions 0 .. len(prompt) + max_new_tokens - 2 are fed (the last token is never fed back).
-            longest = len(prompt) + (state.max_new_tokens - 1 if state.max_new_tokens is not None else 0)
-            if longest > limit:
-                return (
-                    f"prompt has {len(prompt)} tokens and may generate {state.max_new_tokens} more, but "
-                    f"{type(self.model).__name__} has {limit} positions; shorten the prompt or lower max_new_tokens"
-                )
-            if state.max_new_tokens is None:  # unbounded: end at the end of the position table
-                state.new_tokens_limit = min(state.new_tokens_limit, limit - len(prompt) + 1)
-        return None
+                self._deliver(self.engine.end_unadmitted(state, RequestStatus.CANCELLED))
+            else:
+                self._deliver(self.engine.add_request(state))
 
     def _apply_cancellations(self) -> None:
         while True:
@@ -804,111 +665,11 @@ class ContinuousBatchingManager:
                 request_id = self.cancel_queue.get_nowait()
             except queue.Empty:
                 return
-            live = self.scheduler.live_requests()
-            state = next((s for s in live if s.request_id == request_id), None)
-            if state is not None:
-                self._end(state, RequestStatus.CANCELLED)
-                continue
-            # A child not forked yet: it ends now, and its parent will not fork it.
-            parent_id, index = _split_child_id(request_id)
-            parent = next((s for s in live if s.request_id == parent_id), None) if parent_id is not None else None
-            if parent is not None and index < parent.num_children and index not in parent.cancelled_children:
-                parent.cancelled_children.add(index)
-                child = parent.fork_child(request_id)
-                child.status = RequestStatus.CANCELLED
-                self._deliver_terminal(child)
-
-    def _step(self) -> None:
-        batch = self.scheduler.schedule()
-        for state in batch.capped:
-            # Generation reached the cache's capacity with this request alone in it: end it like a length limit.
-            self._end(state, RequestStatus.FINISHED)
-        for state, reason in batch.failed:
-            state.error = f"request {state.request_id}: {reason}"
-            self._end(state, RequestStatus.FAILED)
-        self.cache.flush_swaps()
-        if not batch.requests:
-            return
-        started = time.perf_counter()
-        results, failures = self._execute_isolating_failures(batch.requests)
-        for item, error in failures:
-            item.state.error = f"request {item.state.request_id}: this step failed: {type(error).__name__}: {error}"
-            self._end(item.state, RequestStatus.FAILED)
-        if not failures and self.cache.swap is not None and any(item.num_tokens > 1 for item in batch.requests):
-            self.cache.swap.policy.observe_prefill(batch.num_tokens, time.perf_counter() - started)
-        failed = {id(item) for item, _ in failures}
-        succeeded = [item for item in batch.requests if id(item) not in failed]
-        if not succeeded:
-            return
-        done = ScheduledBatch(requests=succeeded)
-        self._account(done)
-        self.scheduler.on_step_done(done)
-        for result in results:
-            logprobs = result.logprobs or [None] * len(result.tokens)
-            for item, token, logprob in zip(result.emitted, result.tokens, logprobs):
-                state = item.state
-                state.status = RequestStatus.DECODING
-                self._counters["generated_tokens"] += 1
-                if state.append_token(token, logprob):
-                    self._end(state, RequestStatus.FINISHED)
-                elif state.streaming:
-                    self.output_router.deliver(state.to_generation_output())
-
-    def _execute_isolating_failures(self, items: list[ScheduledRequest]) -> tuple[list, list]:
-        """Run the step; if its forward or sampling raises, find the request(s) responsible by running halves of the
-        batch again (bisection), so only the culprit fails: a request whose processor raises, or whose position
-        runs past the model's table, fails alone and the others of its step go on. Rerunning is exact: a request's
-        K/V is rewritten with the same values into its own blocks. Returns (step results, [(item, error)])."""
-        try:
-            return [self.runner.execute(ScheduledBatch(requests=items))], []
-        except Exception as error:  # noqa: BLE001 - a failing step fails its culprits, not the loop
-            if len(items) == 1:
-                logger.warning(f"cbcore: request {items[0].state.request_id} failed its step: {error!r}")
-                return [], [(items[0], error)]
-            logger.warning(f"cbcore: a step of {len(items)} requests failed ({error!r}); isolating the culprit")
-        middle = len(items) // 2
-        first_results, first_failures = self._execute_isolating_failures(items[:middle])
-        second_results, second_failures = self._execute_isolating_failures(items[middle:])
-        return first_results + second_results, first_failures + second_failures
-
-    def _account(self, batch: ScheduledBatch) -> None:
-        counters = self._counters
-        counters["steps"] += 1
-        for item in batch.requests:
-            state = item.state
-            start, end = state.num_computed_tokens, state.num_computed_tokens + item.num_tokens
-            counters["computed_tokens"] += item.num_tokens
-            counters["computed_prompt_tokens"] += max(0, min(end, len(state.initial_tokens)) - start)
-            counters["recomputed_tokens"] += max(0, min(end, state.max_computed_tokens) - start)
-            state.max_computed_tokens = max(state.max_computed_tokens, end)
-
-    def _end(self, state: RequestState, status: RequestStatus, track: bool = True) -> None:
-        """Give a request its one terminal output and release everything it holds. Children it has not forked yet
-        end with it, with its status and error (they would otherwise never get an output)."""
-        if track:
-            self.scheduler.finish(state)
-        state.status = status
-        for index in range(state.num_children):
-            if index in state.cancelled_children:
-                continue  # already ended CANCELLED
-            child = state.fork_child(child_request_id(state.request_id, index))
-            child.status = status
-            if state.error is not None:
-                child.error = f"request {child.request_id}: its parent {state.error}"
-            self._deliver_terminal(child)
-        state.num_children = 0
-        self._deliver_terminal(state)
-
-    def _deliver_terminal(self, state: RequestState) -> None:
-        """Deliver a terminal output; its id is free again from this moment."""
-        with self._request_lock:
-            self._in_flight.discard(state.request_id)
-        self.output_router.deliver(state.to_generation_output())
+            self._deliver(self.engine.abort(request_id))
 
     def _end_all(self, reason: str) -> None:
-        """Fail every request still held (queued, waiting or running), keeping their partial tokens."""
-        pending = self.scheduler.live_requests() if self.scheduler is not None else []
-        tracked = {id(state) for state in pending}
+        """Fail every request still held (queued here, waiting or running), keeping their partial tokens."""
+        queued = []
         while True:
             try:
                 state = self.input_queue.get_nowait()
@@ -916,53 +677,34 @@ class ContinuousBatchingManager:
                 break
             with self._request_lock:
                 self._queued.pop(state.request_id, None)
-            pending.append(state)
-        for state in pending:
-            state.error = f"request {state.request_id}: {reason}"
-            self._end(state, RequestStatus.FAILED, track=id(state) in tracked)
+            queued.append(state)
+        if self.engine is not None:
+            self._deliver(self.engine.fail_all(reason, queued))
+
+    def _deliver(self, outputs: list[GenerationOutput]) -> None:
+        """Hand the engine's outputs to the router; a terminal output frees its id from this moment."""
+        for output in outputs:
+            if output.is_finished():
+                with self._request_lock:
+                    self._in_flight.discard(output.request_id)
+            self.output_router.deliver(output)
 
     # ------------------------------------------------------------------------------------------ inspection ----
 
     def check_invariants(self) -> None:
         """Assert the allocator's invariants and that block refcounts equal the block tables holding them. Call it
         when the loop is stopped (the loop thread owns the engine state while it runs)."""
-        if self.cache is not None:
-            self.cache.check(self.scheduler.live_requests())
+        if self.engine is not None:
+            self.engine.check()
 
     def stats(self) -> dict[str, int | float]:
-        """Counters to log, since the manager was built: steps; computed, prompt, recomputed and generated tokens;
+        """Counters to log, since the engine was built: steps; computed, prompt, recomputed and generated tokens;
         blocks free / cached (unused) / used; prefix-cache lookups, hits, hit rate and prompt tokens it saved;
         evictions; preemptions (swapped or recomputed); swaps out / in with bytes, host blocks free (for swap, counting
         the tier's), and the host tier's blocks kept, hits and drops (with `cpu_offload_space`); admissions deferred to
-        share an in-flight prefix. Safe to call from any thread
-        (a snapshot that may be one step stale while the loop runs)."""
-        stats: dict[str, int | float] = dict(self._counters)
-        if self.cache is not None:
-            allocator = self.cache.allocator.stats()
-            stats.update(
-                num_blocks=self.cache.num_blocks,
-                blocks_free=allocator["num_free"],
-                blocks_cached=allocator["num_cached_unused"],
-                blocks_used=allocator["num_referenced"],
-                prefix_lookups=allocator["lookups"],
-                prefix_hits=allocator["hits"],
-                prefix_hit_rate=allocator["hits"] / allocator["lookups"] if allocator["lookups"] else 0.0,
-                prefix_hit_tokens=self.scheduler.num_prefix_hit_tokens,
-                evictions=allocator["evictions"],
-                preemptions=self.scheduler.num_preemptions,
-                swap_preemptions=self.scheduler.num_swap_preemptions,
-                recompute_preemptions=self.scheduler.num_preemptions - self.scheduler.num_swap_preemptions,
-                deferred_admissions=self.scheduler.num_deferred_admissions,
-            )
-            if self.cache.swap is not None:
-                stats.update(self.cache.swap.counters)
-                stats.update(self.cache.swap.tier.counters)
-                stats.update(
-                    host_blocks=self.cache.swap.num_host_blocks,
-                    host_blocks_free=self.cache.swap.num_free,
-                    host_tier_blocks=self.cache.swap.tier.num_blocks,
-                )
-        return stats
+        share an in-flight prefix. Safe to call from any thread (a snapshot that may be one step stale while the loop
+        runs); empty before the engine is built."""
+        return self.engine.stats() if self.engine is not None else {}
 
     @property
     def prefix_hit_tokens(self) -> int:
@@ -980,46 +722,7 @@ def _family_ids(request_id: str, num_children: int) -> list[str]:
     return [request_id] + [child_request_id(request_id, index) for index in range(num_children)]
 
 
-def _split_child_id(request_id: str) -> tuple[str | None, int]:
-    """("req_3", 1) for "req_3__child#1"; (None, -1) for an id that is not a child's."""
-    parent, sep, index = request_id.rpartition("__child#")
-    if not sep or not index.isdigit():
-        return None, -1
-    return parent, int(index)
-
-
 def _auto_number(request_id: str) -> int | None:
     """n for an id of the automatic form "req_<n>", else None."""
     prefix, _, number = request_id.partition("req_")
     return int(number) if not prefix and number.isdigit() else None
-
-
-def _gib(num_bytes: float) -> str:
-    return f"{num_bytes / 2**30:.2f}"
-
-
-def _check_cache_fits(shape: CacheShape, num_blocks: int, page_size: int, device: torch.device) -> None:
-    """An explicit `num_blocks` x `page_size` must fit in the memory available now, with room to spare; say so
-    before allocating rather than fail in the allocator (or push the machine into swap)."""
-    needed = num_blocks * page_size * shape.bytes_per_token
-    if device.type == "cuda":
-        available, _total = torch.cuda.mem_get_info(device)
-    else:
-        available = psutil.virtual_memory().available
-    if needed > MAX_EXPLICIT_CACHE_SHARE * available:
-        raise ValueError(
-            f"num_blocks={num_blocks} x page_size={page_size} needs {_gib(needed)} GiB of KV cache "
-            f"({shape.bytes_per_token} bytes per token), but only {_gib(available)} GiB of {device.type} memory is "
-            "available; lower num_blocks or page_size (or leave num_blocks=None to size it automatically)"
-        )
-
-
-def _absolute_position_limit(model: torch.nn.Module) -> int | None:
-    """How many positions a model with a learned absolute position table takes (GPT-2's `wpe`, OPT's
-    `embed_positions`), or None when positions are relative (RoPE, ALiBi): a request past it would index outside the
-    table. Found by module name; a model this misses still fails alone (the step's culprit is isolated)."""
-    for name, module in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if isinstance(module, torch.nn.Embedding) and (leaf == "wpe" or "position" in leaf):
-            return module.num_embeddings - int(getattr(module, "offset", 0))
-    return None

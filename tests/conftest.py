@@ -140,3 +140,16 @@ def _torch_threads():
     torch.set_num_threads(int(os.environ.get("CBCORE_TEST_THREADS", "2")))
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(autouse=True)
+def _transformers_logging_left_as_found():
+    """Some architectures' modules change transformers' logger when built (level ERROR, no propagation), which hides
+    the warnings later tests look for; put it back after every test."""
+    import logging
+
+    root = logging.getLogger("transformers")
+    saved = (root.level, root.propagate, root.disabled)
+    yield
+    root.setLevel(saved[0])
+    root.propagate, root.disabled = saved[1], saved[2]

@@ -1,0 +1,348 @@
+"""`EngineCore`: one step at a time, no threads. `step()` = schedule → run the batch → advance the requests.
+
+The core owns the cache, the scheduler and the runner. It is driven by the manager's loop thread, and directly by
+tests and the profiler. Every call returns the outputs it produced (streaming snapshots and terminal outputs), in
+order; whoever drives the core delivers them. A request ends exactly once, in `_end`: with it end its children that
+were not forked yet (with its status and error), and its blocks are released.
+
+    core = EngineCore(model, prepared_generation_config, cb_config, workload_hints)
+    core.binding.attach()                   # cbcore's attention (and packed linears) while serving
+    outputs = core.add_request(state)       # [] when admitted to the queue, [FAILED output] when its prompt is bad
+    while core.has_work():
+        outputs += core.step()
+    core.binding.detach()
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.continuous_batching.utils import WorkloadHints
+
+from ..cache import CacheShape, PagedKVCache
+from ..config import ContinuousBatchingConfig
+from ..requests import GenerationOutput, RequestState, RequestStatus, child_request_id
+from ..runner import ModelRunner
+from ..sampling import LogitsProcessorSwitch, Sampler
+from ..scheduler import SCHEDULING_ORDERS, ScheduledBatch, ScheduledRequest, Scheduler
+from ..swap import plan_num_host_blocks
+from .model_binding import ModelBinding
+from .sizing import absolute_position_limit, gib, plan_sizes
+
+logger = logging.getLogger("cbcore")
+
+
+class EngineCore:
+    """The cache, scheduler and runner of one model, stepped by whoever drives it (never by a thread of its own)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        generation_config: GenerationConfig,
+        cb_config: ContinuousBatchingConfig,
+        workload_hints: WorkloadHints | None = None,
+        logit_processor: LogitsProcessorSwitch | None = None,
+    ) -> None:
+        """Size and allocate the cache and build the scheduler, sampler and runner (all or nothing: an error leaves
+        nothing allocated). `generation_config` is prepared as `model.generate` prepares it; the resolved sizes are
+        written back into `cb_config`, as transformers does after creating its cache."""
+        self.model = model
+        self.binding = ModelBinding(model)
+        self._vocab_size = model.get_input_embeddings().num_embeddings
+        self._position_limit = absolute_position_limit(model)
+        device = model.device
+        shape = CacheShape.from_model_config(model.config, model.dtype)
+        sizes = plan_sizes(model, shape, cb_config, workload_hints)
+        try:
+            self.cache = PagedKVCache(shape, sizes.num_blocks, cb_config.page_size, device, cb_config.allow_block_sharing)
+        except (RuntimeError, MemoryError) as error:  # torch raises RuntimeError when an allocation fails
+            raise ValueError(
+                f"could not allocate the KV cache (num_blocks={sizes.num_blocks} x page_size={cb_config.page_size}, "
+                f"{gib(sizes.num_blocks * cb_config.page_size * shape.bytes_per_token)} GiB): {error}; lower num_blocks"
+            ) from error
+        if cb_config.cpu_offload_space is None or cb_config.cpu_offload_space > 0:
+            self._enable_swap(shape, cb_config)
+        self.scheduler = Scheduler(
+            self.cache,
+            SCHEDULING_ORDERS[cb_config.scheduler_type](),
+            max_batch_tokens=sizes.max_batch_tokens,
+            max_requests_per_batch=sizes.max_requests_per_batch,
+            safety_margin=cb_config.safety_margin,
+        )
+
+        def processors_for(prompt_length: int, max_new_tokens: int | None, overrides: dict):
+            # As `model.generate` prepares a call: max_length counts from this prompt, so length-dependent
+            # processors (forced EOS at max_length - 1, ...) fire where they would for this request alone.
+            config = copy.deepcopy(generation_config)
+            if max_new_tokens is not None:
+                config.max_length = prompt_length + max_new_tokens
+            for name, value in overrides.items():
+                setattr(config, name, value)
+            return model._get_logits_processor(config, input_ids_seq_length=prompt_length, device=device)
+
+        sampler = Sampler(
+            generation_config, processors_for, cb_config.return_logprobs, cb_config.seed,
+            cb_config.per_request_processors, logit_processor,
+        )
+        self.runner = ModelRunner(model, self.cache, sampler)
+        cb_config.num_blocks = sizes.num_blocks
+        cb_config.max_batch_tokens = sizes.max_batch_tokens
+        cb_config.max_requests_per_batch = sizes.max_requests_per_batch
+        self.counters = {
+            "steps": 0,
+            "computed_tokens": 0,
+            "computed_prompt_tokens": 0,
+            "recomputed_tokens": 0,
+            "generated_tokens": 0,
+        }
+        # The parameters' in-place version counters when last looked at (see notice_weight_changes).
+        self._weights_signature: int | None = None
+
+    def _enable_swap(self, shape: CacheShape, cfg: ContinuousBatchingConfig) -> None:
+        bytes_per_block = shape.bytes_per_token * cfg.page_size
+        num_host_blocks = plan_num_host_blocks(cfg.cpu_offload_space, cfg.cpu_offload_space_safety_threshold, bytes_per_block)
+        if num_host_blocks < 1:
+            raise ValueError(
+                f"cpu_offload_space={cfg.cpu_offload_space} GiB holds no block of {bytes_per_block} bytes (after the "
+                "cpu_offload_space_safety_threshold cap and what memory is available); raise it or set it to 0 to "
+                "disable swap"
+            )
+        self.cache.enable_swap(num_host_blocks)
+        logger.info(
+            f"cbcore: host pool of {num_host_blocks} blocks ({gib(num_host_blocks * bytes_per_block)} GiB) for "
+            f"cpu_offload_space={cfg.cpu_offload_space}"
+        )
+
+    # ---- requests in and out -----------------------------------------------------------------------------------
+
+    def add_request(self, state: RequestState) -> list[GenerationOutput]:
+        """Queue a request whose arguments were checked (request_inputs). A bad prompt ends it at once: the returned
+        list then holds its FAILED output (and its children's)."""
+        problem = self._prompt_problem(state)
+        if problem is not None:
+            state.error = f"request {state.request_id}: {problem}"
+            logger.warning(state.error)
+            return self.end_unadmitted(state, RequestStatus.FAILED)
+        self.scheduler.add(state)
+        return []
+
+    def end_unadmitted(self, state: RequestState, status: RequestStatus) -> list[GenerationOutput]:
+        """End a request the scheduler never held (cancelled or failed before it was queued here)."""
+        return self._end(state, status, track=False)
+
+    def abort(self, request_id: str) -> list[GenerationOutput]:
+        """Cancel a request, or a child of a live request that was not forked yet (it is then never forked). An id
+        that is not live does nothing."""
+        live = self.scheduler.live_requests()
+        state = next((s for s in live if s.request_id == request_id), None)
+        if state is not None:
+            return self._end(state, RequestStatus.CANCELLED)
+        parent_id, index = split_child_id(request_id)
+        parent = next((s for s in live if s.request_id == parent_id), None) if parent_id is not None else None
+        if parent is None or index >= parent.num_children or index in parent.cancelled_children:
+            return []
+        parent.cancelled_children.add(index)
+        child = parent.fork_child(request_id)
+        child.status = RequestStatus.CANCELLED
+        return [child.to_generation_output()]
+
+    def fail_all(self, reason: str, also: list[RequestState] = ()) -> list[GenerationOutput]:
+        """Fail every request held, plus `also` (requests never handed to the core), keeping their partial tokens."""
+        outputs = []
+        for state in self.scheduler.live_requests():
+            state.error = f"request {state.request_id}: {reason}"
+            outputs += self._end(state, RequestStatus.FAILED)
+        for state in also:
+            state.error = f"request {state.request_id}: {reason}"
+            outputs += self._end(state, RequestStatus.FAILED, track=False)
+        return outputs
+
+    def has_work(self) -> bool:
+        """Whether any request is waiting or running."""
+        return self.scheduler.has_work()
+
+    def live_requests(self) -> list[RequestState]:
+        """Every request the core holds (waiting or running)."""
+        return self.scheduler.live_requests()
+
+    def _prompt_problem(self, state: RequestState) -> str | None:
+        """What is wrong with a new request's prompt, or None. The arguments' types were checked by `add_request`,
+        so nothing here can raise."""
+        prompt = state.initial_tokens
+        if not prompt:
+            return "empty prompt: input_ids must hold at least one token"
+        vocab = self._vocab_size
+        bad = next((t for t in prompt if t < 0 or t >= vocab), None)
+        if bad is not None:
+            return f"token id {bad} is outside the vocabulary [0, {vocab})"
+        capacity = self.cache.capacity_tokens
+        if len(prompt) > capacity:
+            return (
+                f"prompt has {len(prompt)} tokens, but the cache holds at most {capacity} tokens per request "
+                f"(num_blocks={self.cache.num_blocks} x page_size={self.cache.page_size}); raise num_blocks or "
+                "shorten the prompt"
+            )
+        # A longer max_new_tokens is accepted, as transformers accepts it: the request ends FINISHED when it alone
+        # fills the cache (the scheduler's `capped`).
+        limit = self._position_limit
+        if limit is not None:
+            # Positions 0 .. len(prompt) + max_new_tokens - 2 are fed (the last token is never fed back).
+            longest = len(prompt) + (state.max_new_tokens - 1 if state.max_new_tokens is not None else 0)
+            if longest > limit:
+                return (
+                    f"prompt has {len(prompt)} tokens and may generate {state.max_new_tokens} more, but "
+                    f"{type(self.model).__name__} has {limit} positions; shorten the prompt or lower max_new_tokens"
+                )
+            if state.max_new_tokens is None:  # unbounded: end at the end of the position table
+                state.new_tokens_limit = min(state.new_tokens_limit, limit - len(prompt) + 1)
+        return None
+
+    # ---- the step ----------------------------------------------------------------------------------------------
+
+    def step(self) -> list[GenerationOutput]:
+        """Schedule, run and advance one step; the outputs it produced (streaming snapshots, terminal outputs)."""
+        if not self.binding.attached:
+            raise RuntimeError(
+                "EngineCore.step() needs the model bound to cbcore's attention (engine.binding.attach()); unbound, "
+                "its forward would ignore the paged cache"
+            )
+        outputs: list[GenerationOutput] = []
+        batch = self.scheduler.schedule()
+        for state in batch.capped:
+            # Generation reached the cache's capacity with this request alone in it: end it like a length limit.
+            outputs += self._end(state, RequestStatus.FINISHED)
+        for state, reason in batch.failed:
+            state.error = f"request {state.request_id}: {reason}"
+            outputs += self._end(state, RequestStatus.FAILED)
+        self.cache.flush_swaps()
+        if not batch.requests:
+            return outputs
+        started = time.perf_counter()
+        results, failures = self._execute_isolating_failures(batch.requests)
+        for item, error in failures:
+            item.state.error = f"request {item.state.request_id}: this step failed: {type(error).__name__}: {error}"
+            outputs += self._end(item.state, RequestStatus.FAILED)
+        if not failures and self.cache.swap is not None and any(item.num_tokens > 1 for item in batch.requests):
+            self.cache.swap.policy.observe_prefill(batch.num_tokens, time.perf_counter() - started)
+        failed = {id(item) for item, _ in failures}
+        succeeded = [item for item in batch.requests if id(item) not in failed]
+        if not succeeded:
+            return outputs
+        done = ScheduledBatch(requests=succeeded)
+        self._account(done)
+        self.scheduler.on_step_done(done)
+        for result in results:
+            logprobs = result.logprobs or [None] * len(result.tokens)
+            for item, token, logprob in zip(result.emitted, result.tokens, logprobs):
+                state = item.state
+                state.status = RequestStatus.DECODING
+                self.counters["generated_tokens"] += 1
+                if state.append_token(token, logprob):
+                    outputs += self._end(state, RequestStatus.FINISHED)
+                elif state.streaming:
+                    outputs.append(state.to_generation_output())
+        return outputs
+
+    def _execute_isolating_failures(self, items: list[ScheduledRequest]) -> tuple[list, list]:
+        """Run the step; if its forward or sampling raises, find the request(s) responsible by running halves of the
+        batch again (bisection), so only the culprit fails: a request whose processor raises, or whose position
+        runs past the model's table, fails alone and the others of its step go on. Rerunning is exact: a request's
+        K/V is rewritten with the same values into its own blocks. Returns (step results, [(item, error)])."""
+        try:
+            return [self.runner.execute(ScheduledBatch(requests=items))], []
+        except Exception as error:  # noqa: BLE001 - a failing step fails its culprits, not the loop
+            if len(items) == 1:
+                logger.warning(f"cbcore: request {items[0].state.request_id} failed its step: {error!r}")
+                return [], [(items[0], error)]
+            logger.warning(f"cbcore: a step of {len(items)} requests failed ({error!r}); isolating the culprit")
+        middle = len(items) // 2
+        first_results, first_failures = self._execute_isolating_failures(items[:middle])
+        second_results, second_failures = self._execute_isolating_failures(items[middle:])
+        return first_results + second_results, first_failures + second_failures
+
+    def _account(self, batch: ScheduledBatch) -> None:
+        counters = self.counters
+        counters["steps"] += 1
+        for item in batch.requests:
+            state = item.state
+            start, end = state.num_computed_tokens, state.num_computed_tokens + item.num_tokens
+            counters["computed_tokens"] += item.num_tokens
+            counters["computed_prompt_tokens"] += max(0, min(end, len(state.initial_tokens)) - start)
+            counters["recomputed_tokens"] += max(0, min(end, state.max_computed_tokens) - start)
+            state.max_computed_tokens = max(state.max_computed_tokens, end)
+
+    def _end(self, state: RequestState, status: RequestStatus, track: bool = True) -> list[GenerationOutput]:
+        """A request's one terminal output, its blocks released; children it has not forked yet end with it, with
+        its status and error (they would otherwise never get an output)."""
+        if track:
+            self.scheduler.finish(state)
+        state.status = status
+        outputs = []
+        for index in range(state.num_children):
+            if index in state.cancelled_children:
+                continue  # already ended CANCELLED
+            child = state.fork_child(child_request_id(state.request_id, index))
+            child.status = status
+            if state.error is not None:
+                child.error = f"request {child.request_id}: its parent {state.error}"
+            outputs.append(child.to_generation_output())
+        state.num_children = 0
+        outputs.append(state.to_generation_output())
+        return outputs
+
+    # ---- weights and inspection --------------------------------------------------------------------------------
+
+    def notice_weight_changes(self) -> None:
+        """If any parameter changed in place since the last look (an update inside `pause()`, an optimizer step
+        between two sessions of a kept manager), K/V cached for the old weights must not be shared with new
+        requests, so the prefix cache is invalidated. Weights can change only while the loop is parked or stopped,
+        so the loop looks when it starts and when a pause is released, not every step."""
+        signature = hash(tuple((id(p), p._version) for p in self.model.parameters()))
+        if self._weights_signature is not None and signature != self._weights_signature:
+            dropped = self.cache.invalidate_prefixes()
+            logger.info(f"cbcore: the model's weights changed; {dropped} cached prefix blocks will not be shared")
+        self._weights_signature = signature
+
+    def check(self) -> None:
+        """Assert the allocator's invariants and that block refcounts equal the block tables holding them."""
+        self.cache.check(self.scheduler.live_requests())
+
+    def stats(self) -> dict[str, int | float]:
+        """The counters of `ContinuousBatchingManager.stats()` (see there)."""
+        stats: dict[str, int | float] = dict(self.counters)
+        allocator = self.cache.allocator.stats()
+        scheduler = self.scheduler
+        stats.update(
+            num_blocks=self.cache.num_blocks,
+            blocks_free=allocator["num_free"],
+            blocks_cached=allocator["num_cached_unused"],
+            blocks_used=allocator["num_referenced"],
+            prefix_lookups=allocator["lookups"],
+            prefix_hits=allocator["hits"],
+            prefix_hit_rate=allocator["hits"] / allocator["lookups"] if allocator["lookups"] else 0.0,
+            prefix_hit_tokens=scheduler.num_prefix_hit_tokens,
+            evictions=allocator["evictions"],
+            preemptions=scheduler.num_preemptions,
+            swap_preemptions=scheduler.num_swap_preemptions,
+            recompute_preemptions=scheduler.num_preemptions - scheduler.num_swap_preemptions,
+            deferred_admissions=scheduler.num_deferred_admissions,
+        )
+        swap = self.cache.swap
+        if swap is not None:
+            stats.update(swap.counters)
+            stats.update(swap.tier.counters)
+            stats.update(host_blocks=swap.num_host_blocks, host_blocks_free=swap.num_free,
+                         host_tier_blocks=swap.tier.num_blocks)
+        return stats
+
+
+def split_child_id(request_id: str) -> tuple[str | None, int]:
+    """("req_3", 1) for "req_3__child#1"; (None, -1) for an id that is not a child's."""
+    parent, sep, index = request_id.rpartition("__child#")
+    if not sep or not index.isdigit():
+        return None, -1
+    return parent, int(index)

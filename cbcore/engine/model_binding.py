@@ -1,0 +1,54 @@
+"""What cbcore does to a model while it serves it, and undoes after: its attention implementation switched to
+cbcore's paged attention, and on CPU its `nn.Linear` layers given prepacked oneDNN weights (cbcore/linear.py).
+
+Both act only inside cbcore's steps: outside them the model's own attention and linears run, so the model stays
+usable (its `generate`, a training forward) while bound. `EngineCore.step()` refuses to run on an unbound model: the
+forward would ignore the paged cache and give wrong tokens without an error.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .. import attention
+from ..linear import PackedLinears
+
+
+class ModelBinding:
+    """Binds one model to cbcore's attention (and packed linears); `attach()` and `detach()` are idempotent and
+    thread-safe."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._lock = threading.Lock()
+        # The implementation the model had before `attach()` (None while detached).
+        self.original_attn_implementation: str | None = None
+        self._packed_linears: PackedLinears | None = None
+
+    @property
+    def attached(self) -> bool:
+        """Whether the model's attention is cbcore's right now."""
+        return self.model.config._attn_implementation == attention.ATTENTION_NAME
+
+    def attach(self) -> None:
+        """Switch the model's attention to cbcore's paged attention and, on CPU, pack its linear layers."""
+        with self._lock:
+            name = attention.register()
+            current = self.model.config._attn_implementation
+            if current != name and self.original_attn_implementation is None:
+                self.model.set_attn_implementation(name)
+                self.original_attn_implementation = current
+            if self._packed_linears is None and self.model.device.type == "cpu":
+                self._packed_linears = PackedLinears.attach(self.model)
+
+    def detach(self) -> None:
+        """Give the model back its own attention implementation and linear layers."""
+        with self._lock:
+            if self._packed_linears is not None:
+                self._packed_linears.detach()
+                self._packed_linears = None
+            if self.original_attn_implementation is not None:
+                self.model.set_attn_implementation(self.original_attn_implementation)
+                self.original_attn_implementation = None

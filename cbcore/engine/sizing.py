@@ -1,0 +1,99 @@
+"""How big the engine is: the step budgets and the number of cache blocks, from the config, the workload hints and
+the memory available (transformers infers its budgets from GPU memory; on a CPU cbcore bounds the cache, since it
+shares RAM with everything else)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psutil
+import torch
+from transformers.generation.continuous_batching.utils import WorkloadHints
+
+from ..cache import CacheShape, plan_num_blocks, useful_blocks
+from ..config import ContinuousBatchingConfig
+
+# Default step budgets when the config leaves them None (transformers infers them from GPU memory).
+DEFAULT_MAX_BATCH_TOKENS = {"cpu": 1024, "cuda": 8192}
+FALLBACK_MAX_REQUESTS_PER_BATCH = 1024  # transformers' fallback
+CPU_MAX_MEMORY_PERCENT = 0.6  # transformers' default on CPU; cbcore also caps the bytes (cache.CPU_CACHE_CAP_BYTES)
+# An explicit num_blocks may take at most this share of the memory available when the cache is allocated: beyond it
+# the allocation would push the machine into swap or fail with a raw allocator error.
+MAX_EXPLICIT_CACHE_SHARE = 0.9
+
+
+@dataclass(frozen=True)
+class EngineSizes:
+    """The resolved sizes: what the config left None, filled in."""
+
+    num_blocks: int
+    max_batch_tokens: int
+    max_requests_per_batch: int
+
+
+def plan_sizes(
+    model: torch.nn.Module, shape: CacheShape, cfg: ContinuousBatchingConfig, hints: WorkloadHints | None
+) -> EngineSizes:
+    """Budgets and block count for `model` on its device. An explicit `num_blocks` that does not fit in the memory
+    available is refused here, naming it, rather than failing in the allocator."""
+    device = model.device
+    max_requests = cfg.max_requests_per_batch
+    if max_requests is None:
+        wanted = hints.num_requests if hints is not None and hints.num_requests > 0 else None
+        max_requests = min(wanted or FALLBACK_MAX_REQUESTS_PER_BATCH, FALLBACK_MAX_REQUESTS_PER_BATCH)
+    max_batch_tokens = cfg.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS.get(device.type, 2048)
+    num_blocks = cfg.num_blocks
+    if num_blocks is None:
+        percent = cfg.max_memory_percent or (CPU_MAX_MEMORY_PERCENT if device.type != "cuda" else 0.9)
+        useful = None
+        if hints is not None and hints.num_requests > 0 and hints.max_prompt_length > 0:
+            longest = hints.max_prompt_length + max(hints.max_generated_length, 1)
+            useful = useful_blocks(hints.num_requests, longest, cfg.page_size)
+        reserved = activation_bytes(model, max_batch_tokens, max_requests)
+        num_blocks = plan_num_blocks(shape, cfg.page_size, device, percent, reserved, useful)
+    else:
+        check_cache_fits(shape, num_blocks, cfg.page_size, device)
+    return EngineSizes(num_blocks, max_batch_tokens, min(max_requests, max_batch_tokens))
+
+
+def activation_bytes(model: torch.nn.Module, max_batch_tokens: int, max_requests: int) -> int:
+    """Memory one step needs besides the cache: hidden states and MLP activations for every query token, and fp32
+    logits for every emitting row (computed from the budgets; no [T, T] mask is ever built)."""
+    config = model.config.get_text_config()
+    element = torch.empty((), dtype=model.dtype).element_size()
+    intermediate = getattr(config, "intermediate_size", 4 * config.hidden_size)
+    per_token = (4 * config.hidden_size + 2 * intermediate) * element
+    logits = max_requests * config.vocab_size * 4 * 2
+    return max_batch_tokens * per_token + logits
+
+
+def gib(num_bytes: float) -> str:
+    """Bytes as GiB with two decimals, for messages."""
+    return f"{num_bytes / 2**30:.2f}"
+
+
+def check_cache_fits(shape: CacheShape, num_blocks: int, page_size: int, device: torch.device) -> None:
+    """An explicit `num_blocks` x `page_size` must fit in the memory available now, with room to spare; say so
+    before allocating rather than fail in the allocator (or push the machine into swap)."""
+    needed = num_blocks * page_size * shape.bytes_per_token
+    if device.type == "cuda":
+        available, _total = torch.cuda.mem_get_info(device)
+    else:
+        available = psutil.virtual_memory().available
+    if needed > MAX_EXPLICIT_CACHE_SHARE * available:
+        raise ValueError(
+            f"num_blocks={num_blocks} x page_size={page_size} needs {gib(needed)} GiB of KV cache "
+            f"({shape.bytes_per_token} bytes per token), but only {gib(available)} GiB of {device.type} memory is "
+            "available; lower num_blocks or page_size (or leave num_blocks=None to size it automatically)"
+        )
+
+
+def absolute_position_limit(model: torch.nn.Module) -> int | None:
+    """How many positions a model with a learned absolute position table takes (GPT-2's `wpe`, OPT's
+    `embed_positions`), or None when positions are relative (RoPE, ALiBi): a request past it would index outside the
+    table. Found by module name; a model this misses still fails alone (the step's culprit is isolated)."""
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, torch.nn.Embedding) and (leaf == "wpe" or "position" in leaf):
+            return module.num_embeddings - int(getattr(module, "offset", 0))
+    return None

@@ -1,0 +1,123 @@
+"""`EngineCore` stepped directly, without the manager's thread: what tests and the profiler do. Each test drives one
+mechanism through `add_request` / `abort` / `step()` and checks the outputs those calls return."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import GenerationConfig
+
+import cbcore
+from cbcore.engine import EngineCore
+from cbcore.requests import RequestState, RequestStatus
+from conftest import greedy_config, random_prompts, reference_tokens, tiny_model
+
+
+_BOUND: list[EngineCore] = []
+
+
+@pytest.fixture(autouse=True)
+def _engines_unbound_after_each_test():
+    yield
+    while _BOUND:
+        _BOUND.pop().binding.detach()
+
+
+def engine_for(model, generation_config: GenerationConfig, **cb_kwargs) -> EngineCore:
+    """An engine built as the manager builds it (the generation config prepared as `model.generate` prepares it),
+    bound to the model (unbound after the test)."""
+    manager = cbcore.ContinuousBatchingManager(model, generation_config, cbcore.ContinuousBatchingConfig(**cb_kwargs))
+    manager.warmup()
+    manager.engine.binding.attach()
+    _BOUND.append(manager.engine)
+    return manager.engine
+
+
+def request(index: int, prompt: list[int], max_new_tokens: int, num_children: int = 0) -> RequestState:
+    return RequestState(request_id=f"req_{index}", initial_tokens=prompt, max_new_tokens=max_new_tokens,
+                        eos_token_id=-1, num_children=num_children)
+
+
+def run_to_the_end(engine: EngineCore, max_steps: int = 10_000) -> dict[str, cbcore.GenerationOutput]:
+    finals = {}
+    for _ in range(max_steps):
+        if not engine.has_work():
+            break
+        for output in engine.step():
+            if output.is_finished():
+                assert output.request_id not in finals, f"{output.request_id} ended twice"
+                finals[output.request_id] = output
+    assert not engine.has_work(), "the engine did not finish"
+    engine.check()
+    assert engine.cache.allocator.num_referenced == 0
+    return finals
+
+
+def test_a_chunked_prefill_runs_over_several_steps_and_equals_generate() -> None:
+    model = tiny_model("llama_gqa")
+    engine = engine_for(model, greedy_config(5), page_size=4, num_blocks=64, max_batch_tokens=8)
+    prompt = random_prompts([30], seed=70)[0]
+    assert engine.add_request(request(0, prompt, 5)) == []
+    steps_before_first_token = 0
+    while not engine.live_requests()[0].generated_tokens:
+        engine.step()
+        steps_before_first_token += 1
+    assert steps_before_first_token == 4  # 30 prompt tokens at 8 per step
+    finals = run_to_the_end(engine)
+    assert finals["req_0"].generated_tokens == reference_tokens(model, prompt, greedy_config(5))
+
+
+def test_a_preemption_with_swap_keeps_the_output_unchanged() -> None:
+    model = tiny_model("qwen2")
+    engine = engine_for(model, greedy_config(12), page_size=4, num_blocks=12, max_batch_tokens=64,
+                        cpu_offload_space=0.01)
+    prompts = random_prompts([14, 18, 11, 16], seed=71)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(request(index, prompt, 12))
+    finals = run_to_the_end(engine)
+    stats = engine.stats()
+    assert stats["swap_preemptions"] > 0 and stats["swap_outs"] > 0
+    for index, prompt in enumerate(prompts):
+        assert finals[f"req_{index}"].generated_tokens == reference_tokens(model, prompt, greedy_config(12))
+
+
+def test_a_fork_gives_each_child_the_parents_prompt() -> None:
+    model = tiny_model("llama_gqa")
+    config = GenerationConfig(max_new_tokens=4, do_sample=True, top_k=1, num_return_sequences=3, pad_token_id=0)
+    engine = engine_for(model, config, page_size=4, num_blocks=64)
+    prompt = random_prompts([10], seed=72)[0]
+    engine.add_request(request(0, prompt, 4, num_children=2))
+    finals = run_to_the_end(engine)
+    assert set(finals) == {"req_0", "req_0__child#0", "req_0__child#1"}
+    want = reference_tokens(model, prompt, greedy_config(4))
+    assert all(output.generated_tokens == want for output in finals.values())
+
+
+def test_an_abort_ends_the_request_cancelled_with_its_partial_tokens() -> None:
+    model = tiny_model("llama_gqa")
+    engine = engine_for(model, greedy_config(50), page_size=4, num_blocks=64)
+    prompt = random_prompts([6], seed=73)[0]
+    engine.add_request(request(0, prompt, 50))
+    engine.add_request(request(1, prompt[:4], 3))
+    early = [output for _ in range(5) for output in engine.step()]
+    assert [o.request_id for o in early if o.is_finished()] == ["req_1"]  # 3 tokens: done by the third step
+    outputs = engine.abort("req_0")
+    assert [o.status for o in outputs] == [RequestStatus.CANCELLED]
+    assert outputs[0].generated_tokens == reference_tokens(model, prompt, greedy_config(50))[:5]
+    assert engine.abort("req_0") == []  # not live any more: nothing happens
+    assert run_to_the_end(engine) == {}
+
+
+def test_stepping_an_unbound_engine_raises_instead_of_ignoring_the_cache() -> None:
+    engine = engine_for(tiny_model("qwen2"), greedy_config(3), page_size=4, num_blocks=16)
+    engine.binding.detach()
+    engine.add_request(request(0, [1, 2, 3], 3))
+    with pytest.raises(RuntimeError, match="needs the model bound"):
+        engine.step()
+
+
+@pytest.mark.parametrize("prompt", [[], [1, 10_000]], ids=["empty", "outside_the_vocabulary"])
+def test_a_bad_prompt_is_answered_by_add_request_itself(prompt: list[int]) -> None:
+    engine = engine_for(tiny_model("qwen2"), greedy_config(3), page_size=4, num_blocks=16)
+    outputs = engine.add_request(request(0, prompt, 3))
+    assert [o.status for o in outputs] == [RequestStatus.FAILED] and "req_0" in outputs[0].error
+    assert not engine.has_work()
