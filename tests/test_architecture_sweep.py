@@ -3,7 +3,8 @@ or refused before serving anything, with an error naming the model. The harness 
 the committed table is docs/architecture_sweep.md.
 
 A representative subset always runs in-process (a few seconds); the full sweep over every model type in
-`MODEL_FOR_CAUSAL_LM_MAPPING` takes about 1.5-2 minutes in two one-thread processes on a 2-core machine.
+`MODEL_FOR_CAUSAL_LM_MAPPING` takes about 1.5 minutes in two one-thread processes on a 2-core machine
+(`CBCORE_SWEEP_JOBS=1`: one process), so it runs by default too.
 """
 
 from __future__ import annotations
@@ -55,4 +56,4 @@ def test_every_architecture_is_served_exactly_or_refused() -> None:
     assert not bad, "\n".join(bad)
     counts = sweep.counts(results)
     # Guards against a harness regression that would turn models into SKIPs (or a check refusing too much).
-    assert counts[sweep.SKIP] <= 25 and counts[sweep.SAME] >= 85, counts
+    assert counts[sweep.SKIP] <= 16 and counts[sweep.SAME] >= 90, counts
