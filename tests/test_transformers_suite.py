@@ -8,15 +8,17 @@ torch.compile). Each original maps here to exactly one of:
 
 - a port: a test of the same behaviour, named for it, with the original's name in its docstring. The originals load
   TinyLlama / Qwen2.5 / Gemma checkpoints and compare with a padded `model.generate`; the ports use the suite's tiny
-  seeded fp32 models (conftest.py) and compare with `model.generate` run on each prompt alone (no padding, so no
-  tolerance is needed), or with transformers' own manager where the original compares two managers. Where DESIGN.md
-  §7 says cbcore deliberately differs (CANCELLED outputs, the attention switched at `start()` rather than in the
-  constructor, offload without a GPU, ...), the port tests cbcore's documented behaviour and its docstring says so.
+  seeded fp32 models (conftest.py, plus a tiny Gemma-2 and Gemma-3 here) and compare with `model.generate` run on
+  each prompt alone (no padding, so greedy tokens must be equal and log-probabilities agree to 1e-5). Where DESIGN.md
+  §7 or the README's Differences table says cbcore deliberately differs (the attention switched at `start()` rather
+  than in the constructor, offload without a GPU, history-aware processors seeing the real history, soft-capping
+  honoured), the port tests cbcore's documented behaviour and its docstring says so.
 - a skip that says why: the original needs a GPU, flash-attn, the `kernels` hub kernels, several GPUs, CUDA graphs,
   async batching or torch.compile (`GPU_ONLY`), or it tests a private internal of transformers (`PRIVATE`), in which
   case the entry names the cbcore test file that covers cbcore's equivalent. Parametrized originals of which only some
   cases are portable carry the skipped cases as marked parameters of their port.
-- an expected failure (`xfail(strict=True)`) where the port shows a cbcore bug: the test is written as it should pass.
+- an expected failure (`xfail(strict=True)`) where the port shows a cbcore bug: the test is written as it should pass
+  (plus test_current_batch_counts_the_loops_steps, for the attribute two ported pause tests would read).
 
 Originals that are `@slow` or `@require_torch_accelerator` in transformers (they never run on a CPU-only CI) are
 ported all the same wherever their behaviour does not need the accelerator.
