@@ -70,7 +70,8 @@ def assert_generate_batch_equals_generate(model, prompts, generation_config, cb_
     """`generate_batch` through cbcore: ids in input order, every request FINISHED with its own prompt, and the
     tokens `model.generate` gives each prompt alone (the original's `_test_continuous_batching_parity`)."""
     cbcore.enable(model)
-    outputs = model.generate_batch(prompts, generation_config=generation_config, continuous_batching_config=cb_config)
+    outputs = model.generate_batch(inputs=prompts, generation_config=generation_config,
+                                   continuous_batching_config=cb_config, progress_bar=False)
     assert list(outputs) == [f"req_{i}" for i in range(len(prompts))]
     for prompt, output in zip(prompts, outputs.values()):
         assert output.status == RequestStatus.FINISHED, output.error
@@ -253,7 +254,9 @@ SKIPPED_ORIGINALS = [
      f"{GPU_ONLY} async batching (in-flight victims of the previous batch) and CUDA graphs; the synchronous case is "
      "ported as test_offloading_to_host_memory_keeps_outputs_without_a_gpu"),
     *[(f"ContinuousBatchingTensorParallelTest::{name}",
-       f"{GPU_ONLY} several GPUs (NCCL tensor parallelism over 2 ranks); cbcore has no tensor parallelism yet")
+       f"{GPU_ONLY} several GPUs (NCCL tensor parallelism over 2 ranks); cbcore has no tensor parallelism yet "
+      "(the single-rank part of the cancellation test is "
+      "test_cancelling_a_streaming_request_stops_it_early_with_one_cancelled_output)")
       for name in ("test_continuous_batching_tp_fast", "test_continuous_batching_tp_pause",
                    "test_continuous_batching_tp_greedy", "test_continuous_batching_tp_with_sampling",
                    "test_continuous_batching_tp_with_cuda_graph",
@@ -481,8 +484,10 @@ def test_streaming_and_non_streaming_requests(with_streaming: bool, with_non_str
     model = tiny_model("qwen2")
     prompt = random_prompts([11], seed=105)[0]
     max_new_tokens = 3
-    assert len(reference_tokens(model, prompt, greedy_config(max_new_tokens))) == max_new_tokens
-    manager = started(model, greedy_config(max_new_tokens), page_size=4)
+    assert len(reference_tokens(model, prompt, GenerationConfig(max_new_tokens=max_new_tokens))) == max_new_tokens
+    cbcore.enable(model)
+    manager = model.init_continuous_batching()  # the model's own generation config, as in the original
+    manager.start()
     try:
         if with_non_streaming:
             request_id = manager.add_request(prompt, max_new_tokens=max_new_tokens, streaming=False)
@@ -502,7 +507,9 @@ def test_result_handler_receives_every_streamed_output_and_the_queue_stays_empty
     """Original: test_register_result_handler."""
     model = tiny_model("qwen2")
     prompt = random_prompts([11], seed=105)[0]
-    manager = started(model, greedy_config(3), page_size=4)
+    cbcore.enable(model)
+    manager = model.init_continuous_batching()
+    manager.start()
 
     async def collect() -> list[int]:
         counts: list[int] = []
@@ -808,7 +815,9 @@ def test_attention_is_switched_at_start_and_restored_at_stop(loaded_attn_impleme
     try:
         original = model.config._attn_implementation
         cbcore.enable(model)
-        cb_config = cbcore.ContinuousBatchingConfig(num_blocks=8, page_size=32, use_cuda_graph=False)
+        # The original's arguments, deprecated block_size included (it maps to page_size, as in transformers).
+        cb_config = cbcore.ContinuousBatchingConfig(num_blocks=8, block_size=32, use_cuda_graph=False)
+        assert cb_config.page_size == 32
         manager = model.init_continuous_batching(continuous_batching_config=cb_config)
         assert model.config._attn_implementation == original
         manager.start()
@@ -1091,6 +1100,33 @@ def test_pause_raises_when_the_loop_cannot_pause(state: str) -> None:
         if manager.is_running():
             manager.stop(block=True, timeout=WAIT_S)
         manager.destroy()
+
+
+def test_cancelling_a_streaming_request_stops_it_early_with_one_cancelled_output() -> None:
+    """The single-rank part of test_continuous_batching_tp_cancellation (whose tensor-parallel part is skipped above):
+    a streaming request cancelled after its third chunk stops well before `max_new_tokens`. cbcore differs
+    deliberately (DESIGN.md §7): the request ends with one terminal output, CANCELLED, where transformers' stream just
+    stops (its reader times out with None); after it, nothing more comes, and its blocks are freed."""
+    model = tiny_model("llama_gqa")
+    max_new_tokens = 200
+    manager = started(model, greedy_config(max_new_tokens, eos_token_id=VOCAB - 1), page_size=16)
+    chunks = []
+    try:
+        request_id = manager.add_request(random_prompts([12], seed=119)[0], max_new_tokens=max_new_tokens,
+                                         streaming=True)
+        while (chunk := manager.get_result(request_id=request_id, timeout=2.0)) is not None:
+            chunks.append(chunk)
+            if len(chunks) == 3:
+                manager.cancel_request(request_id)
+            if chunk.is_finished():
+                break
+        assert manager.get_result(request_id=request_id, timeout=0.2) is None
+    finally:
+        manager.stop(block=True)
+    assert len(chunks) >= 3 and chunks[-1].status == RequestStatus.CANCELLED
+    assert [chunk.is_finished() for chunk in chunks].count(True) == 1
+    assert len(chunks[-1].generated_tokens) < max_new_tokens
+    assert_engine_clean(manager)
 
 
 # =================================================================================================================
