@@ -9,7 +9,7 @@ Who holds a block reference (the allocator counts them; `check()` proves the cou
 
 | holder                      | takes a reference                        | releases it                              |
 |-----------------------------|------------------------------------------|------------------------------------------|
-| a request's `block_table`   | `grow()` (fresh blocks), `match_prefix()`, `fork()`, `swap_in()` | `release()`, `swap_out()` |
+| a request's `block_table`   | `grow()` (fresh blocks), `take_prefix()`, `fork()`, `swap_in()` | `release()`, `swap_out()` |
 | the prefix cache            | never: a hashed block with no holder sits in the allocator's LRU list, reusable until evicted |
 
 Host blocks of the swap pool are held by swapped-out requests (`RequestState.host_blocks`); see cbcore/swap.py.
@@ -157,6 +157,16 @@ def useful_blocks(num_requests: int, longest_request_tokens: int, page_size: int
     return num_requests * math.ceil(longest_request_tokens / page_size) + 1
 
 
+@dataclass(frozen=True)
+class PrefixHit:
+    """What `PagedKVCache.peek_prefix` found for a waiting request: the shared blocks, how many of them nobody holds
+    now (they stop being available once taken), and the block lookups the walk made (hits and the final miss)."""
+
+    blocks: tuple[int, ...]
+    num_unused: int
+    lookups: int
+
+
 class PagedKVCache:
     """K/V pages for every layer plus the allocator and per-request block bookkeeping."""
 
@@ -246,25 +256,38 @@ class PagedKVCache:
 
     # ---- bookkeeping called by the scheduler -------------------------------------------------------------------
 
-    def match_prefix(self, state: RequestState) -> int:
-        """Share the request's leading full blocks that the prefix cache holds; return how many tokens that skips.
-
-        At least one token is always left to compute, so the last prompt position still produces logits.
-        """
+    def peek_prefix(self, state: RequestState) -> PrefixHit:
+        """The request's leading full blocks that the prefix cache holds, changing nothing (no reference taken, no
+        lookup counted, the LRU order untouched): the scheduler asks this of a waiting request every step, and only
+        `take_prefix` at admission acts on it. At least one token is always left to compute, so the last prompt
+        position still produces logits."""
         if not self.allow_prefix_sharing or state.block_table or state.host_blocks:
-            return 0
+            return PrefixHit((), 0, 0)
         max_blocks = (state.num_tokens - 1) // self.page_size
         if max_blocks <= 0:
-            return 0
-        blocks = list(self.allocator.match_prefix(state.all_tokens, max_blocks))
+            return PrefixHit((), 0, 0)
+        blocks = self.allocator.peek_prefix(state.all_tokens, max_blocks)
+        # K/V computed before a weight change is shared only up to the first stale block.
         fresh = next((i for i, block in enumerate(blocks) if self._is_stale(block)), len(blocks))
-        if fresh < len(blocks):  # K/V computed before a weight change: share only what precedes it
-            self.allocator.free(blocks[fresh:][::-1])
-            blocks = blocks[:fresh]
-        state.block_table = blocks
-        state.num_committed_blocks = len(blocks)
-        if self.swap is not None and self.swap.tier.num_blocks:
-            self._bring_back_from_host(state, max_blocks)
+        blocks = tuple(blocks[:fresh])
+        unused = sum(1 for block in blocks if self.allocator.refcount(block) == 0)
+        lookups = min(len(blocks) + 1, max_blocks)  # every hit, and the miss that ended the walk
+        return PrefixHit(blocks, unused, lookups)
+
+    def can_admit(self, hit: PrefixHit, num_tokens: int) -> bool:
+        """Whether a request sharing `hit` can have `num_tokens` tokens: the fresh blocks it needs must be available
+        once the hit's unused blocks (available now) are taken."""
+        missing = self.blocks_for(num_tokens) - len(hit.blocks)
+        return missing <= 0 or missing <= self.allocator.num_available - hit.num_unused
+
+    def take_prefix(self, state: RequestState, hit: PrefixHit) -> int:
+        """Admit the request onto its prefix hit: reference the shared blocks, count the lookup, and extend the
+        match with blocks the host tier kept (copied back this step). Returns the prompt tokens it skips."""
+        self.allocator.take_prefix(list(hit.blocks), hit.lookups)
+        state.block_table = list(hit.blocks)
+        state.num_committed_blocks = len(hit.blocks)
+        if self.swap is not None and self.swap.tier.num_blocks and hit.lookups:
+            self._bring_back_from_host(state, (state.num_tokens - 1) // self.page_size)
         state.num_computed_tokens = len(state.block_table) * self.page_size
         return state.num_computed_tokens
 

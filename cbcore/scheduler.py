@@ -191,15 +191,22 @@ class Scheduler:
             if not swapped and self.cache.allow_prefix_sharing and self._prefix_in_flight(state):
                 self.num_deferred_admissions += 1
                 continue
-            hit_tokens = self.cache.match_prefix(state)
-            num_tokens = min(self._tokens_before_fork(state), token_budget)
-            if not self.cache.can_grow(state, state.num_computed_tokens + num_tokens):
-                if not swapped:
-                    self.cache.release(state)  # give back the shared prefix blocks; try again next step
-                break
+            hit_tokens = 0
             if swapped:
+                num_tokens = min(self._tokens_before_fork(state), token_budget)
+                if not self.cache.can_grow(state, state.num_computed_tokens + num_tokens):
+                    break
                 self.cache.swap_in(state, state.num_computed_tokens + num_tokens)
             else:
+                # A pure lookup: nothing is referenced or counted unless the request is admitted now.
+                hit = self.cache.peek_prefix(state)
+                shared = len(hit.blocks) * self.cache.page_size
+                num_tokens = min(self._tokens_before_fork(state) - shared, token_budget)
+                if not self.cache.can_admit(hit, shared + num_tokens):
+                    break  # it waits at the head of the queue; the next step looks again
+                hit_tokens = self.cache.take_prefix(state, hit)
+                # The host tier may have brought back more blocks than the peek saw: fewer tokens left to run.
+                num_tokens = min(self._tokens_before_fork(state), token_budget)
                 self.cache.grow(state, state.num_computed_tokens + num_tokens)
             self.waiting.remove(state)
             self.num_prefix_hit_tokens += hit_tokens
@@ -218,7 +225,7 @@ class Scheduler:
         """Whether a running request is computing full prompt blocks that `state` could share but that are not in
         the prefix cache yet. transformers hashes blocks only after the forward, so requests arriving together each
         compute their shared prefix; here the later ones wait until the first one's blocks are committed, then
-        share them (`match_prefix`). Only prefilling requests are compared, first token first, so this is cheap."""
+        share them (`peek_prefix` / `take_prefix`). Only prefilling requests are compared, first token first, so this is cheap."""
         page = self.cache.page_size
         shareable_blocks = (state.num_tokens - 1) // page
         if shareable_blocks == 0:

@@ -111,6 +111,13 @@ Bad arguments raise ValueError and change nothing; running out of blocks raises 
            py::doc("Looks up the full page_size chunks of `tokens` from the root; returns the hit "
                    "block ids in order (each refcount + 1), stopping at the first miss or after "
                    "max_blocks blocks. A trailing partial chunk is never matched."))
+      .def("peek_prefix", &BlockAllocator::peek_prefix, py::arg("tokens"), py::arg("max_blocks"),
+           py::doc("The block ids match_prefix would return, changing nothing: no reference taken, no lookup "
+                   "counted, the LRU order untouched (a pure query, asked every step of a waiting request)."))
+      .def("take_prefix", &BlockAllocator::take_prefix, py::arg("ids"), py::arg("lookups"),
+           py::doc("Takes one reference on each of `ids` (blocks peek_prefix just returned; each must still be "
+                   "hashed) and counts `lookups` lookups, len(ids) of them hits. ValueError (nothing changes) for "
+                   "a bad or unhashed id."))
       .def("commit", &BlockAllocator::commit, py::arg("block_id"), py::arg("parent"), py::arg("tokens"),
            py::doc("Registers the full, referenced block `block_id` in the prefix cache as the child of "
                    "`parent` (-1 or a cached block) holding `tokens`. Returns False and caches nothing "

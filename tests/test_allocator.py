@@ -4,6 +4,8 @@ error, refcount, state and counter after every step."""
 
 from __future__ import annotations
 
+import copy
+
 from dataclasses import dataclass
 
 import pytest
@@ -170,6 +172,22 @@ class AllocatorModel:
             parent = block
         return hits
 
+    def peek_prefix(self, tokens: list[int], max_blocks: int) -> list[int]:
+        """What match_prefix would return, on a copy: nothing here changes."""
+        return copy.deepcopy(self).match_prefix(tokens, max_blocks)
+
+    def take_prefix(self, ids: list[int], lookups: int) -> None:
+        if lookups < len(ids):
+            raise ValueError("more hits than lookups")
+        if not all(self._valid(b) and b in self.entries for b in ids):
+            raise ValueError("not in the prefix cache")
+        for block in ids:
+            if self.refcount[block] == 0:
+                self.lru.remove(block)
+            self.refcount[block] += 1
+        self.events["lookups"] += lookups
+        self.events["hits"] += len(ids)
+
     def commit(self, block: int, parent: int, tokens: list[int]) -> bool:
         if not self._valid(block):
             raise ValueError("block out of range")
@@ -334,6 +352,29 @@ class AllocatorMachine(RuleBasedStateMachine):
     def match_prefix(self, data, tokens: list[int]) -> None:
         if self.both("match_prefix", tokens, self.count(data, 4)):
             note("match_prefix: hit")
+
+    @rule(data=st.data(), tokens=st.lists(TOKEN, max_size=10))
+    def peek_then_take_prefix(self, data, tokens: list[int]) -> None:
+        """The scheduler's admission: a pure peek (checked to change nothing), then maybe taking what it found."""
+        before = (self.real.stats(), self.real.blocks_in_state())
+        hits = self.both("peek_prefix", tokens, self.count(data, 4))
+        assert (self.real.stats(), self.real.blocks_in_state()) == before, "peek_prefix changed something"
+        if hits is None or not data.draw(st.booleans(), label="admit"):
+            return
+        ids = list(hits)
+        if self.bad_now_and_then(data):
+            ids.append(data.draw(st.integers(-1, self.model.num_blocks), label="bad id"))
+        lookups = len(ids) + data.draw(st.integers(0, 1), label="the miss that ended the walk")
+        try:
+            self.model.take_prefix(ids, lookups)
+        except ValueError:
+            with pytest.raises(ValueError):
+                self.real.take_prefix(ids, lookups)
+            note("take_prefix: refused")
+            return
+        self.real.take_prefix(ids, lookups)
+        note("take_prefix: taken")
+        self.requests.append(ids)  # freed later, like a request's block table
 
     @rule(data=st.data())
     def commit(self, data) -> None:

@@ -123,3 +123,45 @@ def test_stats_report_blocks_and_prefix_hits() -> None:
     assert 0 < stats["prefix_hit_rate"] <= 1
     assert stats["generated_tokens"] == sum(len(output.generated_tokens) for output in outputs)
     assert stats["recomputed_tokens"] == 0 and stats["preemptions"] == 0
+
+
+def test_a_request_waiting_at_the_head_of_the_queue_is_looked_up_once_when_admitted() -> None:
+    """The prefix lookup is pure until admission: a request that waits many steps for memory does not inflate
+    `prefix_lookups` / `prefix_hits`, nor reorder the cache's LRU list, while it waits."""
+    from cbcore.engine import EngineCore
+    from cbcore.requests import RequestState
+
+    model = tiny_model("llama_gqa")
+    manager = cbcore.ContinuousBatchingManager(model, greedy_config(8),
+                                               cbcore.ContinuousBatchingConfig(page_size=4, num_blocks=14))
+    manager.warmup()
+    engine: EngineCore = manager.engine
+    engine.binding.attach()
+    try:
+        prefix = random_prompts([8], seed=13)[0]
+        engine.add_request(RequestState("warm", prefix + [5], max_new_tokens=1, eos_token_id=-1))
+        while engine.has_work():
+            engine.step()  # its two full blocks are now cached and unused
+        # The hog takes 11 of the 12 free blocks (and the 12th as it grows); the waiter needs two fresh blocks
+        # besides its two cached ones, so it waits until the hog ends.
+        hog = RequestState("hog", random_prompts([44], seed=14)[0], max_new_tokens=4, eos_token_id=-1)
+        waiter = RequestState("waiter", prefix + [7, 9, 11, 13, 15, 17], max_new_tokens=2, eos_token_id=-1)
+        engine.add_request(hog)
+        engine.add_request(waiter)
+        engine.step()  # admits the hog (one lookup: a miss); the waiter cannot fit
+        assert hog.block_table and not waiter.block_table
+        before = engine.stats()
+        waited = 0
+        while not waiter.block_table:
+            engine.step()  # the hog holds the cache: the waiter is looked at every step, admitted only at the end
+            waited += 1
+        after = engine.stats()
+        while engine.has_work():
+            engine.step()
+    finally:
+        engine.binding.detach()
+    assert waited >= 3
+    assert after["prefix_lookups"] - before["prefix_lookups"] == 3  # its two shared blocks and the miss after them
+    assert after["prefix_hits"] - before["prefix_hits"] == 2
+    assert waiter.num_prefix_hit_tokens == 8
+    engine.check()

@@ -246,6 +246,39 @@ std::vector<int> BlockAllocator::match_prefix(const std::vector<Token>& tokens, 
   return hits;
 }
 
+std::vector<int> BlockAllocator::peek_prefix(const std::vector<Token>& tokens, int max_blocks) const {
+  if (max_blocks < 0) throw std::invalid_argument(concat("peek_prefix: max_blocks must be >= 0, got ", max_blocks));
+  const size_t full_blocks = tokens.size() / static_cast<size_t>(page_size_);
+  const size_t limit = std::min(full_blocks, static_cast<size_t>(max_blocks));
+  std::vector<int> hits;
+  int parent = kNone;
+  for (size_t b = 0; b < limit; ++b) {
+    const Token* page = tokens.data() + b * static_cast<size_t>(page_size_);
+    if (parent != kNone && !hashed_[parent]) break;
+    const auto it = prefix_map_.find(hash_(parent_key(parent), page, static_cast<size_t>(page_size_)));
+    if (it == prefix_map_.end() || !matches(it->second, parent, page)) break;
+    hits.push_back(it->second);
+    parent = it->second;
+  }
+  return hits;
+}
+
+void BlockAllocator::take_prefix(const std::vector<int>& ids, int lookups) {
+  if (lookups < static_cast<int>(ids.size())) {
+    throw std::invalid_argument(concat("take_prefix: ", ids.size(), " hits but only ", lookups, " lookups"));
+  }
+  for (int id : ids) {
+    require_valid_id(id, "take_prefix");
+    if (!hashed_[id]) {
+      throw std::invalid_argument(concat("take_prefix: block ", id, " is not in the prefix cache (evicted since the "
+                                         "peek?); nothing was taken"));
+    }
+  }
+  for (int id : ids) take_reference(id);
+  stats_.lookups += lookups;
+  stats_.hits += static_cast<int64_t>(ids.size());
+}
+
 bool BlockAllocator::commit(int block_id, int parent, const std::vector<Token>& tokens) {
   require_valid_id(block_id, "commit");
   require_page(tokens, "commit");

@@ -117,6 +117,14 @@ class BlockAllocator {
   // lookup() over the full blocks of `tokens` from the root; stops at the first miss
   // or after max_blocks hits.
   std::vector<int> match_prefix(const std::vector<Token>& tokens, int max_blocks);
+  // The blocks match_prefix() would return, with nothing changed: no reference taken, no
+  // lookup counted, the LRU order untouched. The scheduler asks this of a waiting request
+  // every step; only take_prefix() at admission changes anything.
+  std::vector<int> peek_prefix(const std::vector<Token>& tokens, int max_blocks) const;
+  // Takes one reference on each of `ids` (blocks a peek_prefix() just returned: each must
+  // be hashed) and counts `lookups` lookups of which ids.size() hit. All ids are validated
+  // first; a bad one throws std::invalid_argument and changes nothing.
+  void take_prefix(const std::vector<int>& ids, int lookups);
   // Registers a full, referenced, unhashed block under (parent, tokens). False (and
   // nothing cached) when parent is not -1 or hashed, the block is already hashed, or an
   // equivalent / colliding live entry exists.

@@ -178,6 +178,48 @@ TEST(BlockAllocator, MatchPrefixStopsAtFirstMissAndAtMaxBlocks) {
   a.check();
 }
 
+TEST(BlockAllocator, PeekPrefixFindsWhatMatchPrefixWouldAndChangesNothing) {
+  BlockAllocator a(8, 2);
+  Ids chain = cache_chain(a, {1, 2, 3, 4, 5, 6});
+  a.free(chain);
+  const auto stats_before = a.stats();
+  const auto states_before = a.blocks_in_state();
+  EXPECT_EQ(a.peek_prefix({1, 2, 3, 4, 9, 9}, 10), (Ids{chain[0], chain[1]}));
+  EXPECT_EQ(a.peek_prefix({1, 2, 3, 4, 5, 6}, 2), (Ids{chain[0], chain[1]}));
+  EXPECT_TRUE(a.peek_prefix({7, 7}, 3).empty());
+  EXPECT_EQ(a.stats().lookups, stats_before.lookups);
+  EXPECT_EQ(a.stats().hits, stats_before.hits);
+  EXPECT_EQ(a.blocks_in_state(), states_before);  // no reference taken, the LRU order untouched
+  for (int id : chain) EXPECT_EQ(a.refcount(id), 0);
+  a.check();
+}
+
+TEST(BlockAllocator, TakePrefixReferencesThePeekedBlocksAndCountsTheLookups) {
+  BlockAllocator a(8, 2);
+  Ids chain = cache_chain(a, {1, 2, 3, 4, 5, 6});
+  a.free(chain);
+  Ids hit = a.peek_prefix({1, 2, 3, 4, 9, 9}, 10);
+  a.take_prefix(hit, 3);  // two hits and the miss that ended the walk
+  EXPECT_EQ(a.refcount(chain[0]), 1);
+  EXPECT_EQ(a.refcount(chain[1]), 1);
+  EXPECT_EQ(a.refcount(chain[2]), 0);
+  EXPECT_EQ(a.num_cached_unused(), 1);
+  EXPECT_EQ(a.stats().lookups, 3);
+  EXPECT_EQ(a.stats().hits, 2);
+  a.check();
+}
+
+TEST(BlockAllocator, TakePrefixOfAnUnhashedBlockThrowsAndChangesNothing) {
+  BlockAllocator a(4, 2);
+  Ids chain = cache_chain(a, {1, 2});
+  Ids fresh = a.allocate(1);
+  EXPECT_THROW(a.take_prefix({chain[0], fresh[0]}, 2), std::invalid_argument);
+  EXPECT_THROW(a.take_prefix({chain[0]}, 0), std::invalid_argument);
+  EXPECT_EQ(a.refcount(chain[0]), 1);
+  EXPECT_EQ(a.stats().lookups, 0);
+  a.check();
+}
+
 TEST(BlockAllocator, LookupMissesOnOtherTokensOrOtherParent) {
   BlockAllocator a(8, 2);
   Ids chain = cache_chain(a, {1, 2, 3, 4});
