@@ -176,7 +176,10 @@ def _parameters(fn) -> tuple[set[str], bool]:
 def _signature_reasons(model: torch.nn.Module) -> list[str]:
     names, takes_kwargs = _parameters(model.forward)
     reasons = []
-    if "position_ids" not in names:
+    # position_ids may also travel through **kwargs to the language model (a multimodal wrapper's forward).
+    root = _language_root(model)
+    reaches_decoder = takes_kwargs and root is not model and "position_ids" in _parameters(root.forward)[0]
+    if "position_ids" not in names and not reaches_decoder:
         reasons.append(
             "its forward takes no position_ids (it computes positions itself, which is wrong for a packed batch of "
             "several requests and for chunked prefill)"
@@ -370,7 +373,9 @@ def _run_self_check(model: torch.nn.Module, reference_attn_implementation: str |
         for state in states:
             ids = torch.tensor([state.all_tokens], device=device)
             try:
-                reference = model(input_ids=ids, use_cache=False).logits[0].float()
+                # With an all-ones mask, as `model.generate` calls it: some models apply their sliding window only
+                # when a mask is given (Moshi).
+                reference = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0].float()
             except Exception as error:  # noqa: BLE001
                 return f"the model's own forward raised {type(error).__name__}: {error} on the check's prompt"
             for position, got in rows[state.request_id]:
