@@ -81,8 +81,9 @@ class ContinuousBatchingManager:
         output = manager.get_result(request_id, timeout=10)
         manager.stop()
 
-    The generation config is read once, here, as transformers does: its logits processors, generation mode and EOS
-    are fixed for the manager's life (`manager.generation_config.max_new_tokens` is still read by each `add_request`).
+    The generation config is read as transformers reads it: its logits processors and generation mode here, once;
+    `do_sample` when the engine is built (warmup or the first start); `max_new_tokens` and `eos_token_id` by each
+    `add_request`.
     """
 
     def __init__(
@@ -101,7 +102,6 @@ class ContinuousBatchingManager:
         # The config exactly as `model.generate` prepares it (unset values from the model's generation config and
         # global defaults). Built now, as transformers builds its processors in its constructor.
         self._prepared_generation_config = self._prepare_generation_config()
-        self.default_eos_token_id = self._resolve_default_eos()
         num_return_sequences = getattr(self.generation_config, "num_return_sequences", None)
         self.num_return_sequences = num_return_sequences if num_return_sequences is not None else 1
         if not isinstance(self.num_return_sequences, int) or self.num_return_sequences < 1:
@@ -134,6 +134,7 @@ class ContinuousBatchingManager:
         # The engine (cache, scheduler, runner), built on first use (warmup or start) and stepped by the loop thread.
         self.engine: EngineCore | None = None
         self._engine_needs_rebuild = False  # after the loop died mid-step, its state cannot be trusted
+        self._steps_at_start = 0  # the engine's step count when the loop last started (current_batch)
         self.warmed_up = False
 
         # The model is bound to cbcore's attention (engine.binding) by start() and handed back when the loop ends: a
@@ -179,12 +180,16 @@ class ContinuousBatchingManager:
         """The model's own attention implementation while cbcore's is attached, else None."""
         return self.engine.binding.original_attn_implementation if self.engine is not None else None
 
-    def _resolve_default_eos(self) -> int | list[int]:
-        """EOS for requests that give none, exactly as `model.generate` resolves it: the given generation config
-        merged with `model.generation_config`; -1 (none) when neither sets one. The model config is not consulted,
-        so `model.generation_config.eos_token_id = None` means "no EOS" here as it does for `generate`.
+    @property
+    def default_eos_token_id(self) -> int | list[int]:
+        """EOS for requests that give none, read when each request is added (as transformers reads
+        `manager.generation_config.eos_token_id` then) and resolved as `model.generate` resolves it: the manager's
+        generation config, else `model.generation_config`; -1 (none) when neither sets one. The model config is not
+        consulted, so `model.generation_config.eos_token_id = None` means "no EOS" here as it does for `generate`.
         (transformers' manager instead writes -1 into the caller's config, so its requests ignore the model's EOS.)"""
-        eos = self._prepared_generation_config.eos_token_id
+        eos = self.generation_config.eos_token_id
+        if eos is None:
+            eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
         return -1 if eos is None else eos
 
     def _attach_to_model(self) -> None:
@@ -203,6 +208,7 @@ class ContinuousBatchingManager:
         self.engine = EngineCore(
             self.model, self._prepared_generation_config, self.continuous_batching_config, self.workload_hints,
             self.logit_processor,
+            do_sample=bool(self.generation_config.do_sample),  # read now, as transformers does
         )
         self._engine_needs_rebuild = False
 
@@ -459,6 +465,8 @@ class ContinuousBatchingManager:
         return request_inputs.processor_kwargs(
             kwargs,
             self.continuous_batching_config.per_request_processors,
+            # The processors, per-request ones included, exist when the config sampled at construction (as in
+            # transformers, whose per-request keys come from the processors built in its constructor).
             bool(self._prepared_generation_config.do_sample),
             label,
         )
@@ -596,6 +604,7 @@ class ContinuousBatchingManager:
         # thread without it; bench/test_bench_linear.py::test_threads tracks it, and it does not always reproduce.)
         torch.set_num_threads(num_threads)
         engine = self.engine
+        self._steps_at_start = engine.counters["steps"]
         try:
             with torch.inference_mode(use_inference_mode):
                 engine.notice_weight_changes()  # since the last session of a kept manager
@@ -705,6 +714,11 @@ class ContinuousBatchingManager:
         share an in-flight prefix. Safe to call from any thread (a snapshot that may be one step stale while the loop
         runs); empty before the engine is built."""
         return self.engine.stats() if self.engine is not None else {}
+
+    @property
+    def current_batch(self) -> int:
+        """Steps (forwards) run since the loop last started, as transformers' attribute of that name counts them."""
+        return self.engine.counters["steps"] - self._steps_at_start if self.engine is not None else 0
 
     @property
     def prefix_hit_tokens(self) -> int:

@@ -53,11 +53,12 @@ class Sampler:
         seed: int | None = None,
         per_request_processors: bool = False,
         switch: LogitsProcessorSwitch | None = None,
+        do_sample: bool | None = None,
     ) -> None:
         """`processor_factory(prompt_length, max_new_tokens, overrides)` builds the processors `model.generate` would
         use for that prompt and length. Per-request kwargs are checked by `request_inputs.processor_kwargs` when the
         request is added."""
-        self.do_sample = bool(generation_config.do_sample)
+        self.do_sample = bool(generation_config.do_sample if do_sample is None else do_sample)
         self.return_logprobs = return_logprobs
         self.per_request_processors = per_request_processors
         self._processor_factory = processor_factory

@@ -652,14 +652,15 @@ def test_generation_modes_cbcore_does_not_implement_are_refused(settings: dict) 
         cbcore.ContinuousBatchingManager(tiny_model("qwen2"), config, cbcore.ContinuousBatchingConfig(page_size=4))
 
 
-def test_processors_are_built_with_the_manager_as_in_transformers() -> None:
-    """Changing `manager.generation_config` after construction does not change the processors (transformers builds
-    them in its constructor), while `max_new_tokens` is still read by each add_request."""
+def test_the_generation_config_is_read_when_transformers_reads_it() -> None:
+    """Processors are built with the manager (a repetition penalty set afterwards does nothing), `do_sample` is read
+    when the engine is built, and `max_new_tokens` by each add_request: as in transformers."""
     model = tiny_model("llama_gqa")
     prompt = random_prompts([7], seed=19)[0]
-    manager = cbcore.ContinuousBatchingManager(model, greedy_config(6), cbcore.ContinuousBatchingConfig(page_size=4))
-    manager.generation_config.do_sample = True
-    manager.generation_config.temperature = 50.0
+    sampled = GenerationConfig(max_new_tokens=6, do_sample=True, top_k=10, eos_token_id=None, pad_token_id=0)
+    manager = cbcore.ContinuousBatchingManager(model, sampled, cbcore.ContinuousBatchingConfig(page_size=4))
+    manager.generation_config.repetition_penalty = 50.0
+    manager.generation_config.do_sample = False
     manager.generation_config.max_new_tokens = 3
     manager.start()
     try:

@@ -365,9 +365,7 @@ def _per_request_generation_config(**values) -> GenerationConfig:
 
 
 @pytest.mark.parametrize("use_cuda_graph, use_async_batching", [
-    pytest.param(False, False, marks=pytest.mark.xfail(strict=True, reason=(
-        "cbcore bug: manager.generation_config.do_sample set to False after construction is ignored (cbcore samples); "
-        "transformers reads it at start(), and this test of its relies on it"))),
+    pytest.param(False, False),
     pytest.param(False, True, marks=ASYNC),
     pytest.param(True, False, marks=CUDA_GRAPHS),
     pytest.param(True, True, marks=CUDA_GRAPHS),
@@ -932,8 +930,6 @@ def test_pause_with_several_holders_resumes_after_the_last_leaves() -> None:
     assert all(output.status == RequestStatus.FINISHED for output in outputs.values())
 
 
-@pytest.mark.xfail(strict=True, reason="cbcore bug: the manager has no `current_batch` (transformers' public step "
-                                       "counter, which its pause tests read); cbcore counts steps in stats()['steps']")
 def test_current_batch_counts_the_loops_steps() -> None:
     """What the originals test_pause_during_generation and test_pause_with_several_holders read: `current_batch`, the
     number of steps the loop has run, frozen while paused."""

@@ -46,10 +46,13 @@ class EngineCore:
         cb_config: ContinuousBatchingConfig,
         workload_hints: WorkloadHints | None = None,
         logit_processor: LogitsProcessorSwitch | None = None,
+        do_sample: bool | None = None,
     ) -> None:
         """Size and allocate the cache and build the scheduler, sampler and runner (all or nothing: an error leaves
-        nothing allocated). `generation_config` is prepared as `model.generate` prepares it; the resolved sizes are
-        written back into `cb_config`, as transformers does after creating its cache."""
+        nothing allocated). `generation_config` is prepared as `model.generate` prepares it and builds the logits
+        processors; `do_sample` (default: the config's) says whether tokens are sampled or taken greedily from the
+        processed logits. The resolved sizes are written back into `cb_config`, as transformers does after creating
+        its cache."""
         self.model = model
         self.binding = ModelBinding(model)
         self._vocab_size = model.get_input_embeddings().num_embeddings
@@ -86,7 +89,7 @@ class EngineCore:
 
         sampler = Sampler(
             generation_config, processors_for, cb_config.return_logprobs, cb_config.seed,
-            cb_config.per_request_processors, logit_processor,
+            cb_config.per_request_processors, logit_processor, do_sample,
         )
         self.runner = ModelRunner(model, self.cache, sampler)
         cb_config.num_blocks = sizes.num_blocks
