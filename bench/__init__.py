@@ -1,3 +1,3 @@
-"""cbcore's benchmarks: kernel and orchestrator microbenchmarks (pytest-benchmark, `bench/test_bench_*.py`), the
-memory-pressure run, and the side-by-side comparison with transformers, `model.generate` and vLLM that
-`python -m cbcore bench` drives (`bench/side_by_side.py`). Results live in `bench/results/`."""
+"""cbcore's microbenchmarks (pytest-benchmark, `bench/test_bench_*.py`), the step profiler, the memory-pressure run,
+the script that builds vLLM's venv for the side-by-side comparison, and the committed results (`bench/results/`).
+The side-by-side harness itself (`python -m cbcore bench`) lives in the package, `cbcore/benchmarks/`."""

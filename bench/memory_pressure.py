@@ -25,10 +25,10 @@ import torch
 from transformers import ContinuousBatchingConfig as TransformersCBConfig
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: make `bench` importable
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout: find `cbcore`
 
 import cbcore  # noqa: E402
-from bench.machine import cpu_model  # noqa: E402
+from cbcore.benchmarks.machine import cpu_model  # noqa: E402
 
 PAGE = 16
 

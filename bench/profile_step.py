@@ -25,8 +25,9 @@ from transformers.generation.continuous_batching.utils import WorkloadHints
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import cbcore  # noqa: E402
-from bench.peers import generation_config  # noqa: E402
-from bench.workloads import build_workload, model_folder  # noqa: E402
+from cbcore.benchmarks.models import model_folder  # noqa: E402
+from cbcore.benchmarks.peers import generation_config  # noqa: E402
+from cbcore.benchmarks.workloads import build_workload  # noqa: E402
 from cbcore import ops  # noqa: E402
 from cbcore.requests import RequestState  # noqa: E402
 

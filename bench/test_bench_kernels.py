@@ -30,9 +30,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.machine import cpu_model
-
 from cbcore import ops
+from cbcore.benchmarks.machine import cpu_model
 
 _C = ops._cpu_kernels()
 pytestmark = pytest.mark.skipif(_C is None, reason="cbcore._C was built without the CPU attention kernels")

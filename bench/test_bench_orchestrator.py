@@ -41,9 +41,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.machine import cpu_model
-
 from cbcore._C import BlockAllocator
+from cbcore.benchmarks.machine import cpu_model
 from cbcore.cache import CacheShape, PagedKVCache
 from cbcore.requests import RequestState, RequestStatus
 from cbcore.scheduler import SCHEDULING_ORDERS, ScheduledBatch, Scheduler

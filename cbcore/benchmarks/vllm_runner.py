@@ -1,11 +1,12 @@
-"""vLLM's CPU build as a peer of the side-by-side benchmark. Runs in vLLM's own venv (bench/setup_vllm.sh), never
-imports cbcore, and speaks JSON only:
+"""vLLM's CPU build as a peer of the side-by-side benchmark. Runs in vLLM's own venv (built by the checkout's
+bench/setup_vllm.sh; `--vllm-python` names its python), is run by file path, never imports cbcore, and speaks JSON
+only:
 
-    bench/.vllm-venv/bin/python bench/vllm_runner.py REQUEST.json OUT.json
+    VLLM_CPU_KVCACHE_SPACE=2 bench/.vllm-venv/bin/python cbcore/benchmarks/vllm_runner.py REQUEST.json OUT.json
 
 REQUEST: {"model": folder, "dtype": "float32"|"bfloat16", "prompts": [[ids]], "max_new_tokens": n,
           "eos_token_id": id | [ids] | null, "max_model_len": n}
-OUT (the format of bench/peers.py): per request the generated tokens and the time of each token in seconds since
+OUT (the format of peers.py): per request the generated tokens and the time of each token in seconds since
 `t0`, the wall time, and the prefilled tokens (prompt tokens minus vLLM's prefix-cache hits).
 
 The engine is built (and compiled) first and warmed up on two short prompts; `t0` is taken just before the requests
@@ -17,9 +18,15 @@ with `temperature=0`; without an EOS the requests `ignore_eos` and run to `max_n
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
+
+# Run by path, so this folder is sys.path[0]: drop it, so that none of the benchmark's modules (report, models, ...)
+# can shadow a module vLLM imports.
+if sys.path and sys.path[0] and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    del sys.path[0]
 
 
 def run(request: dict) -> dict:
@@ -83,6 +90,7 @@ def run(request: dict) -> dict:
         "prefilled_tokens": prefilled,
         "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
         "torch_threads": torch.get_num_threads(),
+        "kv_cache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
     }
 
 

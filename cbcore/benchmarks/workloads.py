@@ -7,33 +7,17 @@ Workloads (all seeded; prompts are token ids, so every peer gets exactly the sam
     W4 real text      the default model (SmolLM2-135M-Instruct) on 32 chat prompts with its chat template; stops at
                       EOS or 256 new tokens
 
-Models: W1-W3 run a seeded random Llama of 32M parameters (vocab 8192, hidden 512, 8 layers, 8 heads, 4 KV heads,
-intermediate 1408; `save_pretrained` into a cache folder so that vLLM, in its own venv, loads the same weights); W4
-runs the default model's converted folder (`cbcore.default_model.ensure_default_model`).
+Models (`models.py`): W1-W3 run a seeded random Llama of 32M parameters, W4 the default model.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
+from cbcore.benchmarks.models import RANDOM_LLAMA, RANDOM_LLAMA_NAME, model_folder
 from cbcore.cli import DEFAULT_PROMPTS
-
-RANDOM_LLAMA = dict(
-    vocab_size=8192,
-    hidden_size=512,
-    intermediate_size=1408,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    max_position_embeddings=2048,
-    tie_word_embeddings=False,
-)
-RANDOM_LLAMA_SEED = 0
-RANDOM_LLAMA_NAME = "random-llama-32m"
 
 # 32 short chat prompts for W4: the CLI's 8 built-in ones, then questions, tasks and rewrites of varied length, so
 # that answers end at EOS at different points.
@@ -136,39 +120,6 @@ def real_text(tokenizer, eos_token_id: int | list[int], max_new_tokens: int = 25
 
 
 WORKLOADS = {"W1": mixed, "W2": shared_prefix, "W3": long_decode}
-
-
-def bench_cache_dir() -> Path:
-    """Where the random model is saved: $CBCORE_BENCH_CACHE, else bench/.cache (ignored by git)."""
-    return Path(os.environ.get("CBCORE_BENCH_CACHE", Path(__file__).resolve().parent / ".cache"))
-
-
-def ensure_random_llama() -> Path:
-    """Save the seeded random Llama once (fp32 safetensors) and return its folder."""
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    folder = bench_cache_dir() / f"{RANDOM_LLAMA_NAME}-seed{RANDOM_LLAMA_SEED}"
-    if (folder / "model.safetensors").exists():
-        return folder
-    torch.manual_seed(RANDOM_LLAMA_SEED)
-    model = LlamaForCausalLM(LlamaConfig(**RANDOM_LLAMA)).eval()
-    # No EOS in the random model's configs: W1-W3 generate exactly max_new_tokens for every peer.
-    model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=None, pad_token_id=0)
-    model.config.bos_token_id = model.config.eos_token_id = None
-    model.config.pad_token_id = 0
-    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tmp.rename(folder)
-    return folder
-
-
-def model_folder(name: str) -> Path:
-    """The saved folder of a workload's model."""
-    if name == RANDOM_LLAMA_NAME:
-        return ensure_random_llama()
-    from cbcore.default_model import ensure_default_model
-
-    return ensure_default_model()
 
 
 def build_workload(name: str, limit_requests: int | None = None, max_new_tokens: int | None = None) -> Workload:

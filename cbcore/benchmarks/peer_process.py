@@ -1,0 +1,55 @@
+"""A peer's child process: run it with its output in a log file, and sample the resident memory of its whole process
+tree (vLLM's engine and worker processes included) every 20 ms to get its peak."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+MEMORY_SAMPLE_S = 0.02
+
+
+class PeakMemory:
+    """Samples the RSS of a process and all its descendants in a thread; `peak` is the largest sum seen."""
+
+    def __init__(self, pid: int) -> None:
+        self.process = psutil.Process(pid)
+        self.peak = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._done.is_set():
+            try:
+                tree = [self.process] + self.process.children(recursive=True)
+                total = 0
+                for proc in tree:
+                    try:
+                        total += proc.memory_info().rss
+                    except psutil.Error:
+                        pass
+                self.peak = max(self.peak, total)
+            except psutil.Error:
+                return
+            self._done.wait(MEMORY_SAMPLE_S)
+
+    def stop(self) -> int:
+        self._done.set()
+        self._thread.join()
+        return self.peak
+
+
+def run_child(command: list[str], env: dict[str, str], log_path: Path, cwd: Path) -> tuple[int, int, float]:
+    """Run one peer process; returns (exit status, peak RSS of its tree in bytes, seconds)."""
+    started = time.perf_counter()
+    with open(log_path, "w") as log:
+        child = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
+        sampler = PeakMemory(child.pid)
+        status = child.wait()
+        peak = sampler.stop()
+    return status, peak, time.perf_counter() - started
