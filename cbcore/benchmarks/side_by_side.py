@@ -39,7 +39,6 @@ VLLM_RUNNER = Path(__file__).resolve().parent / "vllm_runner.py"
 # Enough for every request of W1-W4 at once, so vLLM never preempts: the largest, W2 in fp32, needs 0.66 GiB
 # (64 requests x 640 tokens x 8 layers x K+V x 4 KV heads x 64 x 4 bytes). vLLM takes this variable in whole GiB.
 DEFAULT_VLLM_KV_CACHE_GIB = 2
-PACKAGE_PARENT = str(locations.PACKAGE_PARENT)  # on the children's path, so `-m cbcore.benchmarks.peers` works anywhere
 
 
 def _positive_int(text: str) -> int:
@@ -165,9 +164,19 @@ def peer_command(peer: str, workload: Workload, args: argparse.Namespace, scratc
     }
     spec_path = scratch / f"{tag}.spec.json"
     spec_path.write_text(json.dumps(spec))
-    path = os.pathsep.join(p for p in (PACKAGE_PARENT, os.environ.get("PYTHONPATH")) if p)
     command = [sys.executable, "-m", "cbcore.benchmarks.peers", str(spec_path), str(out_path)]
-    return command, {"PYTHONPATH": path}, out_path
+    return command, {"PYTHONPATH": child_pythonpath()}, out_path
+
+
+def child_pythonpath() -> str:
+    """PYTHONPATH for a peer in cbcore's venv: the folder holding this `cbcore` first (a checkout run without an
+    install finds cbcore only through the current directory, and the child runs elsewhere), unless that folder is
+    a site-packages directory, which the child has anyway and which must not go ahead of the standard library."""
+    import site
+
+    sites = {Path(p).resolve() for p in [*site.getsitepackages(), site.getusersitepackages()]}
+    own = [] if locations.PACKAGE_PARENT in sites else [str(locations.PACKAGE_PARENT)]
+    return os.pathsep.join(own + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 
 def run_peer(peer: str, workload: Workload, args: argparse.Namespace, scratch: Path, round_: int) -> dict:
