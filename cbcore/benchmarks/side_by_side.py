@@ -210,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     vllm_missing = locations.missing_vllm_python(args.vllm_python)
     if vllm_missing and any(p.startswith("vllm") for p in peers):
         print(f"[bench] skipping {', '.join(p for p in peers if p.startswith('vllm'))}: {vllm_missing}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)  # before the runs: an unwritable --out fails in a second
     workload = build_workload(args.workload, args.limit_requests, args.max_new_tokens)
     model_path = model_folder(workload.model, args.cache_dir)  # saved once, before any peer starts
     skipped = [{"peer": p, "skipped": vllm_missing} for p in peers if p.startswith("vllm") and vllm_missing]
@@ -227,12 +228,12 @@ def main(argv: list[str] | None = None) -> int:
         "generate_batch_size": args.generate_batch_size,
         "vllm_kv_cache_gib": args.vllm_kv_cache_gib,
         "vllm_env": {"VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_cache_gib)},
+        "vllm_python": str(args.vllm_python) if args.vllm_python is not None else None,
     }
     record = report.build_record(
         workload, args.dtype, peers, results + skipped, machine_facts(), command, str(model_path), settings
     )
     print(report.format_table(record))
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"side_by_side_{workload.name}_{args.dtype}"
     stem.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     png = chart.write_chart(record, stem.with_suffix(".png"))

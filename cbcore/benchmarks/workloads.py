@@ -132,6 +132,7 @@ def build_workload(name: str, limit_requests: int | None = None, max_new_tokens:
     if max_new_tokens is not None:
         workload.max_new_tokens = max_new_tokens
         workload.extra["max_new_tokens_override"] = max_new_tokens
+        workload.length_distribution += f"; smoke run: {max_new_tokens} new"
     return workload
 
 
