@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -60,7 +61,13 @@ IGNORED_KWARGS = {
     "max_length_q": "transformers' varlen packing metadata (see cu_seq_lens_q)",
     "max_length_k": "transformers' varlen packing metadata (see cu_seq_lens_q)",
     "seq_idx": "sequence index of packed tokens for state-space layers; attention reads StepMetadata",
+    "labels": "training targets a multimodal wrapper hands down with its kwargs (None in cbcore's steps); read by the "
+    "loss only",
+    "logits_to_keep": "the runner's choice of emitting rows, handed down from the forward; read by the LM head only",
     # Accepted only with the values cbcore computes (checked in check_step_kwargs):
+    "encoder_hidden_states": "None only: a decoder-only run of an encoder-decoder block (BERT-style is_decoder) has "
+    "no cross-attention; a tensor here would be cross-attention, which cbcore does not serve",
+    "encoder_attention_mask": "None only (see encoder_hidden_states)",
     "is_causal": "None or True: cbcore's attention is causal (bottom-right aligned)",
     "output_attentions": "None or False: cbcore's kernels return no attention weights",
 }
@@ -69,13 +76,17 @@ _in_paged_step = threading.local()
 
 
 @contextmanager
-def paged_step() -> Iterator[None]:
-    """Mark the current thread's forward as a cbcore step (no mask is built; attention goes to the pages)."""
+def paged_step(step: StepMetadata | None = None) -> Iterator[None]:
+    """Mark the current thread's forward as a cbcore step (no mask is built; attention goes to the pages). `step` is
+    the step's metadata, for the attention layers of models whose decoder layers do not hand the forward's keyword
+    arguments down (StableLM, Nemotron): the keyword argument is used when it arrives, this otherwise."""
     _in_paged_step.active = True
+    _in_paged_step.step = step
     try:
         yield
     finally:
         _in_paged_step.active = False
+        _in_paged_step.step = None
 
 
 def in_paged_step() -> bool:
@@ -103,6 +114,58 @@ class StepMetadata:
     prefill_seq_lens_k: torch.Tensor
 
 
+class _ShapeProbe:
+    """Passed as the step by `probe_kv_shapes`: each layer's attention records the K/V shapes it receives."""
+
+    def __init__(self) -> None:
+        self.layers: dict[int, tuple[int, int, int]] = {}
+
+    def record(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+        layer = getattr(module, "layer_idx", None)
+        if isinstance(layer, int):
+            self.layers[layer] = (key.shape[1], key.shape[-1], value.shape[-1])
+        out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
+        return out, None
+
+
+# model -> {(dtype, device): probe result}: a model's K/V shapes do not change, so it is probed once (every manager,
+# check and self-check asks again).
+_probed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def probe_kv_shapes(model: torch.nn.Module) -> dict[int, tuple[int, int, int]] | None:
+    """{layer: (kv heads, K head dim, V head dim)} of what each attention layer of `model` receives, from one forward
+    of one token through cbcore's attention in probe mode (it records and returns zeros; no cache is touched), or
+    None when that forward cannot run. The model's attention implementation is restored before returning. Probed once
+    per model, dtype and device."""
+    key = (model.dtype, model.device)
+    known = _probed.setdefault(model, {})
+    if key not in known:
+        known[key] = _probe(model)
+    return known[key]
+
+
+def _probe(model: torch.nn.Module) -> dict[int, tuple[int, int, int]] | None:
+    register()
+    config = model.config
+    original = config._attn_implementation
+    probe = _ShapeProbe()
+    try:
+        if original != ATTENTION_NAME:
+            model.set_attn_implementation(ATTENTION_NAME)
+        device = model.device
+        with torch.no_grad(), paged_step(probe):  # type: ignore[arg-type]
+            model(input_ids=torch.ones(1, 1, dtype=torch.long, device=device),
+                  position_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+                  use_cache=False, logits_to_keep=1, **{STEP_KWARG: probe})
+    except Exception:  # noqa: BLE001 - a model this forward cannot drive falls back to its config
+        return None
+    finally:
+        if config._attn_implementation != original:
+            model.set_attn_implementation(original)
+    return probe.layers or None
+
+
 def check_step_kwargs(kwargs: dict[str, Any], dropout: float = 0.0) -> None:
     """Raise ValueError naming any attention kwarg (or value) a cbcore step would otherwise have to drop silently.
 
@@ -116,6 +179,9 @@ def check_step_kwargs(kwargs: dict[str, Any], dropout: float = 0.0) -> None:
             "implement; ignoring them would give wrong tokens. This model's attention is not supported by cbcore "
             f"(handled: {', '.join(sorted(HANDLED_KWARGS))})."
         )
+    for name in ("encoder_hidden_states", "encoder_attention_mask"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"cbcore's paged attention got {name} (cross-attention); it serves self-attention only")
     if kwargs.get("is_causal") is False:
         raise ValueError("cbcore's paged attention got is_causal=False (bidirectional attention); its kernels are "
                          "causal only")
@@ -140,6 +206,10 @@ def paged_attention(
     """transformers attention signature: query `[1, heads, T, d]`, key/value `[1, kv_heads, T, d]` / `[1, kv_heads,
     T, d_v]` -> `[1, T, heads, d_v]` (d_v: V's head dim, d unless the model has latent attention)."""
     step: StepMetadata | None = kwargs.pop(STEP_KWARG, None)
+    if step is None and getattr(_in_paged_step, "active", False):
+        step = getattr(_in_paged_step, "step", None)  # a decoder layer dropped the forward's kwargs
+    if isinstance(step, _ShapeProbe):
+        return step.record(module, query, key, value)
     if step is None:  # not one of cbcore's steps: behave like transformers' sdpa, or the model's eager (see above)
         if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
             return _model_eager_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)

@@ -28,6 +28,7 @@ import psutil
 import torch
 
 from ._C import BlockAllocator
+from .attention import probe_kv_shapes
 from .requests import RequestState
 from .swap import HostSwap
 
@@ -40,49 +41,75 @@ CPU_CACHE_CAP_BYTES = 2**30
 
 @dataclass(frozen=True)
 class CacheShape:
-    """What one token costs in the cache, read off the model config."""
+    """What one token costs in the cache: per layer, the KV heads and the K and V head dims its attention receives.
+
+    Most models have one shape for every layer (`num_kv_heads`, `head_dim`, `v_head_dim`); a model whose layers differ
+    (Gemma-4's sliding and global layers, per-layer KV head counts) has `per_layer` set, one (kv heads, K head dim,
+    V head dim) per layer, and its pages are allocated layer by layer with their own shape.
+    """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int  # K's (and the queries')
     dtype: torch.dtype
     v_head_dim: int | None = None  # V's when it differs from K's (multi-head latent attention); None: head_dim
+    per_layer: tuple[tuple[int, int, int], ...] | None = None  # when the layers differ
 
     @property
     def value_head_dim(self) -> int:
-        """The head dim of the V pages."""
+        """The head dim of the V pages (of layer 0 when the layers differ)."""
         return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    @property
+    def uniform(self) -> bool:
+        """One K/V page shape for every layer, the same for K and V (what the host swap pool holds)."""
+        return self.per_layer is None and self.value_head_dim == self.head_dim
+
+    def layer_dims(self, layer: int) -> tuple[int, int, int]:
+        """(kv heads, K head dim, V head dim) of one layer."""
+        if self.per_layer is not None:
+            return self.per_layer[layer]
+        return self.num_kv_heads, self.head_dim, self.value_head_dim
 
     @property
     def bytes_per_token(self) -> int:
         """K and V over every layer."""
         element = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * self.num_kv_heads * (self.head_dim + self.value_head_dim) * element
+        return sum(heads * (k + v) for heads, k, v in map(self.layer_dims, range(self.num_layers))) * element
 
     @classmethod
     def from_model_config(cls, config, dtype: torch.dtype) -> CacheShape:
-        """Layers, KV heads and K/V head dims of a transformers text config.
+        """Layers, KV heads and K/V head dims of a transformers text config (per layer for a heterogeneous config).
 
-        ValueError, naming the config and the field, when the dims cannot be derived exactly: one shape must hold for
-        every layer (a heterogeneous config whose layers differ in them, e.g. Gemma-4's global layers, is refused).
+        ValueError, naming the config and the field, when the dims cannot be derived exactly.
         """
         config = config.get_text_config()
         if getattr(config, "is_heterogeneous", False):
             per_layer = [_attention_dims(layer) for layer in config.per_layer_config]
-            if len(set(per_layer)) > 1:
-                first_layer: dict[tuple[int, int, int], int] = {}
-                for i, dims in enumerate(per_layer):
-                    first_layer.setdefault(dims, i)
-                raise ValueError(
-                    f"{type(config).__name__}: the layers' attention shapes differ (kv heads, K head dim, V head dim: "
-                    + ", ".join(f"{dims} from layer {i}" for dims, i in first_layer.items())
-                    + "); cbcore's KV cache holds one shape for every layer, so this model is not supported"
-                )
-            num_kv_heads, head_dim, v_head_dim = per_layer[0]
-        else:
-            num_kv_heads, head_dim, v_head_dim = _attention_dims(config)
+            return cls.from_layers(per_layer, dtype)
+        num_kv_heads, head_dim, v_head_dim = _attention_dims(config)
         return cls(config.num_hidden_layers, num_kv_heads, head_dim, dtype,
                    None if v_head_dim == head_dim else v_head_dim)
+
+    @classmethod
+    def from_layers(cls, per_layer: list[tuple[int, int, int]], dtype: torch.dtype) -> CacheShape:
+        """The shape of layers whose (kv heads, K head dim, V head dim) are given one by one."""
+        num_kv_heads, head_dim, v_head_dim = per_layer[0]
+        layers = None if len(set(per_layer)) == 1 else tuple(per_layer)
+        return cls(len(per_layer), num_kv_heads, head_dim, dtype, None if v_head_dim == head_dim else v_head_dim,
+                   layers)
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, dtype: torch.dtype) -> CacheShape:
+        """The shape of what `model`'s attention layers really receive: read off one probe forward (a token through
+        cbcore's attention function, which records each layer's K/V shapes), since a config does not always say
+        (JetMoE's heads depend on its experts, some configs name per-layer head counts their own way). Falls back
+        to the config when the probe cannot run; the start-up self-check verifies the numbers either way."""
+        probed = probe_kv_shapes(model)
+        config = model.config.get_text_config()
+        if probed is None or sorted(probed) != list(range(config.num_hidden_layers)):
+            return cls.from_model_config(model.config, dtype)
+        return cls.from_layers([probed[layer] for layer in range(config.num_hidden_layers)], dtype)
 
 
 def _attention_dims(config) -> tuple[int, int, int]:
@@ -183,11 +210,11 @@ class PagedKVCache:
         self.page_size = page_size
         self.device = device
         self.allow_prefix_sharing = allow_prefix_sharing
-        page_shape = (num_blocks, page_size, shape.num_kv_heads, shape.head_dim)
-        value_page_shape = (*page_shape[:3], shape.value_head_dim)
-        self.key_caches = [torch.zeros(page_shape, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
-        self.value_caches = [torch.zeros(value_page_shape, dtype=shape.dtype, device=device)
-                             for _ in range(shape.num_layers)]
+        self.key_caches, self.value_caches = [], []
+        for layer in range(shape.num_layers):
+            heads, k_dim, v_dim = shape.layer_dims(layer)
+            self.key_caches.append(torch.zeros((num_blocks, page_size, heads, k_dim), dtype=shape.dtype, device=device))
+            self.value_caches.append(torch.zeros((num_blocks, page_size, heads, v_dim), dtype=shape.dtype, device=device))
         self.allocator = BlockAllocator(num_blocks, page_size)
         self.swap: HostSwap | None = None
         # What each hashed block was committed under: block -> (parent block, parent's generation then, tokens). Lets
@@ -199,11 +226,13 @@ class PagedKVCache:
     def enable_swap(self, num_host_blocks: int) -> None:
         """Attach a host pool of `num_host_blocks` blocks: preempted requests may then be swapped out."""
         shape = self.shape
-        if shape.value_head_dim != shape.head_dim:
-            # The host pool (cbcore/swap.py, csrc/swap) holds one block shape for K and V alike.
+        if not shape.uniform:
+            # The host pool (cbcore/swap.py, csrc/swap) holds one block shape for every layer and for K and V alike.
+            what = ("layers of different K/V shapes" if shape.per_layer is not None else
+                    f"a V head dim ({shape.value_head_dim}) other than K's ({shape.head_dim}), as in multi-head latent "
+                    "attention")
             raise NotImplementedError(
-                f"swapping to host memory is not implemented for a V head dim ({shape.value_head_dim}) other than K's "
-                f"({shape.head_dim}), as in multi-head latent attention; set cpu_offload_space=0 (preempted requests "
+                f"swapping to host memory is not implemented for {what}; set cpu_offload_space=0 (preempted requests "
                 "are then recomputed, with the same output)"
             )
         self.swap = HostSwap(

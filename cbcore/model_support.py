@@ -15,7 +15,7 @@ else gives wrong tokens without an error, so it must be refused. Two lines of de
    - attention modules without a `layer_idx` (a shared block), or fewer/more attention layers than the cache has;
    - a sliding window set in the config but not passed to the attention function (it lives only in the mask);
    - a forward without `position_ids` (positions computed from a cache length: BART-family decoders), without
-     `logits_to_keep` (Whisper, TrOCR decoders), or that drops the keyword arguments cbcore's step travels in.
+     `logits_to_keep` (Whisper, TrOCR decoders), or whose forward takes no keyword arguments at all.
 2. `self_check(model, ...)`: the safety net for what structure cannot see. A short prompt pair runs through cbcore's
    own paged path (the real `Scheduler`, `ModelRunner`, `PagedKVCache` and kernels, on a throwaway cache: chunked
    prefill, mixed prefill/decode steps, decodes over several pages) and its logits are compared with the model's own
@@ -117,8 +117,8 @@ def unsupported_reasons(model: torch.nn.Module) -> list[str]:
     reasons += _signature_reasons(model)
     reasons += _attention_reasons(model, config)
     if not reasons:
-        try:  # the cache's own reading of the config: one K/V shape for every layer
-            CacheShape.from_model_config(model.config, model.dtype)
+        try:  # the cache's own reading of the model: what its attention layers receive (or its config says)
+            CacheShape.from_model(model, model.dtype)
         except (ValueError, AttributeError, TypeError) as error:
             reasons.append(f"its KV-cache shape cannot be derived exactly ({error})")
     return reasons
@@ -211,17 +211,6 @@ def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
     return [(n, m) for n, m in model.named_modules() if id(m) in layers and _calls_attention_interface(m)]
 
 
-def _calling_parent(named: dict[str, torch.nn.Module], name: str) -> torch.nn.Module | None:
-    """The nearest ancestor of module `name` that calls it (a decoder layer), skipping containers (a ModuleList of
-    attention modules is indexed, never called)."""
-    while "." in name:
-        name = name.rsplit(".", 1)[0]
-        parent = named.get(name)
-        if not isinstance(parent, (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)):
-            return parent
-    return None
-
-
 def _attention_reasons(model: torch.nn.Module, config) -> list[str]:
     modules = attention_modules(model)
     if not modules:
@@ -230,7 +219,6 @@ def _attention_reasons(model: torch.nn.Module, config) -> list[str]:
         # and refuses the model if a layer gets none.
         return []
     reasons = []
-    parents = dict(model.named_modules())
     no_index = [n for n, m in modules if not isinstance(getattr(m, "layer_idx", None), int)]
     if no_index:
         reasons.append(
@@ -250,21 +238,8 @@ def _attention_reasons(model: torch.nn.Module, config) -> list[str]:
             f"its config sets sliding_window={window} but its attention layers do not pass it to the attention "
             "function (the window lives only in the mask transformers builds, and cbcore's steps build none)"
         )
-    for name, module in modules:
-        parent = _calling_parent(parents, name)
-        for owner in (module, parent):
-            if owner is None:
-                continue
-            _, takes_kwargs = _parameters(type(owner).forward)
-            if not takes_kwargs:
-                reasons.append(
-                    f"{type(owner).__name__}.forward takes no **kwargs, so cbcore's step data cannot reach the "
-                    "attention function"
-                )
-                break
-        else:
-            continue
-        break
+    # A decoder layer or attention module that drops the forward's **kwargs is served too: the step's metadata also
+    # travels in a thread-local (attention.paged_step), and the self-check verifies the numbers.
     return reasons
 
 
@@ -319,7 +294,7 @@ def _run_self_check(model: torch.nn.Module, reference_attn_implementation: str |
     """What the self-check saw wrong, or None. Only the model's forwards are guarded: an error in building the
     throwaway engine is cbcore's own and propagates as it is."""
     device = model.device
-    shape = CacheShape.from_model_config(model.config, model.dtype)
+    shape = CacheShape.from_model(model, model.dtype)
     longest = max(_CHECK_PROMPT_LENGTHS) + _CHECK_DECODE_STEPS
     num_blocks = sum(-(-(n + _CHECK_DECODE_STEPS) // _CHECK_PAGE_SIZE) for n in _CHECK_PROMPT_LENGTHS) + 1
     cache = PagedKVCache(shape, num_blocks, _CHECK_PAGE_SIZE, device, allow_prefix_sharing=False)

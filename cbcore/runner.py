@@ -100,7 +100,7 @@ class ModelRunner:
             step = step_hook(step)
         # logits_to_keep needs at least one row; a step of mid-prompt chunks keeps the last row and discards it.
         rows_to_keep = emit_rows if emit_rows else [input_ids.shape[1] - 1]
-        with paged_step():
+        with paged_step(step):
             output = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,

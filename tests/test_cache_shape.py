@@ -43,11 +43,25 @@ def test_minicpm3_is_read_as_latent_attention_too() -> None:
     assert CacheShape.from_model_config(config, torch.float32) == CacheShape(2, 4, 24, torch.float32)
 
 
-def test_layers_with_different_head_dims_are_refused_naming_them() -> None:
+def test_layers_with_different_head_dims_get_a_shape_each() -> None:
     config = Gemma4TextConfig(num_hidden_layers=6, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                               head_dim=16)
-    with pytest.raises(ValueError, match=r"Gemma4TextConfig: the layers' attention shapes differ .* from layer 5"):
-        CacheShape.from_model_config(config, torch.float32)
+    shape = CacheShape.from_model_config(config, torch.float32)
+    assert shape.per_layer is not None and len(set(shape.per_layer)) > 1 and not shape.uniform
+    assert shape.bytes_per_token == sum(h * (k + v) for h, k, v in shape.per_layer) * 4
+
+
+def test_the_shape_is_read_off_what_the_attention_layers_receive() -> None:
+    """JetMoE's config says 2 KV heads; its attention receives num_key_value_heads x experts per token."""
+    from transformers import JetMoeConfig, JetMoeForCausalLM
+
+    torch.manual_seed(0)
+    model = JetMoeForCausalLM(JetMoeConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_key_value_heads=2,
+                                           kv_channels=16, num_local_experts=4, num_experts_per_tok=2,
+                                           intermediate_size=64)).eval()
+    probed = CacheShape.from_model(model, torch.float32)
+    assert probed.layer_dims(0)[0] == 4 != CacheShape.from_model_config(model.config, torch.float32).num_kv_heads
+    assert model.config._attn_implementation != "cbcore_paged"  # the probe put the model back
 
 
 def test_a_v_head_dim_outside_latent_attention_is_refused() -> None:

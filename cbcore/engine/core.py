@@ -58,7 +58,7 @@ class EngineCore:
         self._vocab_size = model.get_input_embeddings().num_embeddings
         self._position_limit = absolute_position_limit(model)
         device = model.device
-        shape = CacheShape.from_model_config(model.config, model.dtype)
+        shape = CacheShape.from_model(model, model.dtype)
         sizes = plan_sizes(model, shape, cb_config, workload_hints)
         try:
             self.cache = PagedKVCache(shape, sizes.num_blocks, cb_config.page_size, device, cb_config.allow_block_sharing)

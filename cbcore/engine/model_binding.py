@@ -26,11 +26,9 @@ class ModelBinding:
         # The implementation the model had before `attach()` (None while detached).
         self.original_attn_implementation: str | None = None
         self._packed_linears: PackedLinears | None = None
-
-    @property
-    def attached(self) -> bool:
-        """Whether the model's attention is cbcore's right now."""
-        return self.model.config._attn_implementation == attention.ATTENTION_NAME
+        # Set by attach(), cleared by detach(). Not read off the config: a composite model's top-level config may
+        # name another implementation than its language model's.
+        self.attached = False
 
     def attach(self) -> None:
         """Switch the model's attention to cbcore's paged attention and, on CPU, pack its linear layers."""
@@ -42,6 +40,7 @@ class ModelBinding:
                 self.original_attn_implementation = current
             if self._packed_linears is None and self.model.device.type == "cpu":
                 self._packed_linears = PackedLinears.attach(self.model)
+            self.attached = True
 
     def detach(self) -> None:
         """Give the model back its own attention implementation and linear layers."""
@@ -52,3 +51,4 @@ class ModelBinding:
             if self.original_attn_implementation is not None:
                 self.model.set_attn_implementation(self.original_attn_implementation)
                 self.original_attn_implementation = None
+            self.attached = False
