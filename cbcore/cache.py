@@ -222,6 +222,8 @@ class PagedKVCache:
         self._committed: dict[int, tuple[int, int, tuple[int, ...]]] = {}
         # Hashed blocks whose K/V predates a weight change (block -> its generation then); see invalidate_prefixes.
         self._stale: dict[int, int] = {}
+        # (source, copy) block pairs queued by fork() this step; issued by flush_copies().
+        self._fork_copies: list[tuple[int, int]] = []
 
     def enable_swap(self, num_host_blocks: int) -> None:
         """Attach a host pool of `num_host_blocks` blocks: preempted requests may then be swapped out."""
@@ -418,8 +420,7 @@ class PagedKVCache:
         if self.blocks_to_fork(parent):
             source = parent.block_table[num_full]
             (copy,) = self._allocate(1)
-            for cache in self.key_caches + self.value_caches:
-                cache[copy].copy_(cache[source])
+            self._fork_copies.append((source, copy))  # copied by flush_copies, with the step's other forks
             child.block_table.append(copy)
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_committed_blocks = min(parent.num_committed_blocks, num_full)
@@ -449,8 +450,17 @@ class PagedKVCache:
         self.swap.swap_in(state.host_blocks, state.block_table[: len(state.host_blocks)])
         state.host_blocks = []
 
-    def flush_swaps(self) -> None:
-        """Issue this step's queued swap copies (before the forward)."""
+    def flush_copies(self) -> None:
+        """Issue this step's queued block copies, before its forward: the forks' copy-on-write blocks first (one
+        batched copy per layer tensor; a child's block must hold its parent's K/V before anything else reads or
+        swaps it out), then the swaps (out, then in: see cbcore/swap.py)."""
+        if self._fork_copies:
+            device = self.key_caches[0].device
+            sources = torch.tensor([s for s, _ in self._fork_copies], dtype=torch.long, device=device)
+            targets = torch.tensor([t for _, t in self._fork_copies], dtype=torch.long, device=device)
+            for cache in self.key_caches + self.value_caches:
+                cache.index_copy_(0, targets, cache.index_select(0, sources))
+            self._fork_copies = []
         if self.swap is not None:
             self.swap.flush()
 

@@ -121,3 +121,21 @@ def test_a_bad_prompt_is_answered_by_add_request_itself(prompt: list[int]) -> No
     outputs = engine.add_request(request(0, prompt, 3))
     assert [o.status for o in outputs] == [RequestStatus.FAILED] and "req_0" in outputs[0].error
     assert not engine.has_work()
+
+
+def test_forks_and_swaps_in_the_same_steps_keep_every_child_exact() -> None:
+    """Copy-on-write blocks of forks are copied in the same batched flush as the step's swaps, before them: a child
+    preempted and swapped out right after its fork still holds its parent's K/V."""
+    model = tiny_model("llama_gqa")
+    config = GenerationConfig(max_new_tokens=10, do_sample=True, top_k=1, num_return_sequences=3, pad_token_id=0)
+    engine = engine_for(model, config, page_size=4, num_blocks=16, max_batch_tokens=32, cpu_offload_space=0.01)
+    prompts = random_prompts([10, 7, 13], seed=74)  # partial last blocks: every fork copies one
+    for index, prompt in enumerate(prompts):
+        engine.add_request(request(index, prompt, 10, num_children=2))
+    finals = run_to_the_end(engine)
+    assert len(finals) == 9
+    assert engine.stats()["preemptions"] > 0
+    for index, prompt in enumerate(prompts):
+        want = reference_tokens(model, prompt, greedy_config(10))
+        family = [f"req_{index}", f"req_{index}__child#0", f"req_{index}__child#1"]
+        assert [finals[rid].generated_tokens for rid in family] == [want] * 3

@@ -221,7 +221,7 @@ class EngineCore:
         for state, reason in batch.failed:
             state.error = f"request {state.request_id}: {reason}"
             outputs += self._end(state, RequestStatus.FAILED)
-        self.cache.flush_swaps()
+        self.cache.flush_copies()  # forks' copy-on-write blocks and swaps, one batched call each, before the forward
         if not batch.requests:
             return outputs
         started = time.perf_counter()
