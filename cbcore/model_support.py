@@ -319,8 +319,8 @@ def _run_self_check(model: torch.nn.Module, reference_attn_implementation: str |
         if not scheduler.has_work():
             break
         batch = scheduler.schedule()
-        if batch.failed or batch.capped or not batch.requests:
-            return f"the throwaway engine could not schedule the check ({batch.failed or batch.capped})"
+        if batch.failed or batch.filled_the_cache or not batch.requests:
+            return f"the throwaway engine could not schedule the check ({batch.failed or batch.filled_the_cache})"
         counts = [0] * num_layers
 
         def count_calls(step, counts=counts):

@@ -114,8 +114,6 @@ class RequestState:
     generated_at_last_preemption: int = 0
     # The most tokens this request ever had computed: anything computed again below this mark is recomputation.
     max_computed_tokens: int = 0
-    # Monotonic admission stamp: the scheduler preempts the most recently admitted request first.
-    admission_order: int = -1
     # Set of EOS ids (transformers ignores negative ids).
     eos_token_ids: frozenset[int] = frozenset()
     new_tokens_limit: int = NO_TOKEN_LIMIT

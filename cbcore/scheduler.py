@@ -47,7 +47,7 @@ class ScheduledBatch:
     # Requests preempted while making room this step (already back in the waiting queue).
     preempted: list[RequestState] = field(default_factory=list)
     # Requests that hit the cache's capacity on their own: they end now (finished, bounded by the cache).
-    capped: list[RequestState] = field(default_factory=list)
+    filled_the_cache: list[RequestState] = field(default_factory=list)
     # Children created this step for `num_return_sequences` (already running).
     forked: list[RequestState] = field(default_factory=list)
     # Requests that cannot go on, with the reason (they end FAILED).
@@ -120,7 +120,6 @@ class Scheduler:
         self.safety_margin = order.default_safety_margin if safety_margin is None else safety_margin
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []  # in admission order: the last one is preempted first
-        self._admissions = 0
         # Counters, read by tests, benchmarks and `ContinuousBatchingManager.stats()`.
         self.num_prefix_hit_tokens = 0
         self.num_preemptions = 0
@@ -211,8 +210,6 @@ class Scheduler:
             self.waiting.remove(state)
             self.num_prefix_hit_tokens += hit_tokens
             state.num_prefix_hit_tokens = hit_tokens
-            state.admission_order = self._admissions
-            self._admissions += 1
             if state.status == RequestStatus.PENDING:
                 state.status = RequestStatus.PREFILLING
             self.running.append(state)
@@ -271,8 +268,6 @@ class Scheduler:
                 continue
             child = parent.fork_child(child_request_id(parent.request_id, index))
             self.cache.fork(parent, child)
-            child.admission_order = self._admissions
-            self._admissions += 1
             self.running.insert(position, child)
             position += 1
             batch.forked.append(child)
@@ -287,7 +282,7 @@ class Scheduler:
 
         Returns False when `state` cannot run this step; it is then preempted itself (others hold the blocks), or
         waits holding its blocks if it is protected from preemption, or, when it alone exceeds the whole cache, is
-        capped (it ends, bounded by the cache's capacity).
+        listed in `filled_the_cache` (it ends FINISHED, bounded by the cache's capacity).
         """
         while not self.cache.can_grow(state, num_tokens):
             victim = self._choose_victim(state, scheduled)
@@ -299,7 +294,7 @@ class Scheduler:
             return True
         if len(self.running) == 1 and not scheduled:
             self.running.remove(state)
-            batch.capped.append(state)
+            batch.filled_the_cache.append(state)
         elif not _is_protected(state):
             self._preempt(state, batch)
         # A protected request keeps its blocks and waits: the requests in this step will free some.

@@ -190,7 +190,7 @@ class EngineCore:
                 "shorten the prompt"
             )
         # A longer max_new_tokens is accepted, as transformers accepts it: the request ends FINISHED when it alone
-        # fills the cache (the scheduler's `capped`).
+        # fills the cache (the scheduler's `filled_the_cache`).
         limit = self._position_limit
         if limit is not None:
             # Positions 0 .. len(prompt) + max_new_tokens - 2 are fed (the last token is never fed back).
@@ -215,7 +215,7 @@ class EngineCore:
             )
         outputs: list[GenerationOutput] = []
         batch = self.scheduler.schedule()
-        for state in batch.capped:
+        for state in batch.filled_the_cache:
             # Generation reached the cache's capacity with this request alone in it: end it like a length limit.
             outputs += self._end(state, RequestStatus.FINISHED)
         for state, reason in batch.failed:
