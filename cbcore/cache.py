@@ -348,8 +348,7 @@ class PagedKVCache:
         host tier (when their whole prefix is still known)."""
         shortfall = count - self.allocator.num_free
         if self.swap is not None and shortfall > 0:
-            _free, lru, _used = self.allocator.blocks_in_state()
-            victims = lru[:shortfall]
+            victims = self.allocator.least_recently_used(shortfall)
             for victim in victims:
                 path = None if self._is_stale(victim) else self._prefix_path(victim)
                 if path is not None:

@@ -127,6 +127,9 @@ Bad arguments raise ValueError and change nothing; running out of blocks raises 
       .def("evict", &BlockAllocator::evict, py::arg("n"),
            py::doc("Moves up to n least-recently-used cached-unused blocks to the free list; returns "
                    "how many."))
+      .def("least_recently_used", &BlockAllocator::least_recently_used, py::arg("n"),
+           py::doc("The ids evict(n) would free, least recently used first, changing nothing (O(n)). "
+                   "ValueError for a negative n."))
       .def("refcount", &BlockAllocator::refcount, py::arg("block_id"), py::doc("Number of holders."))
       .def("is_cached", &BlockAllocator::is_cached, py::arg("block_id"),
            py::doc("True while the block is in the prefix cache (hashed), referenced or not."))

@@ -172,6 +172,11 @@ class AllocatorModel:
             parent = block
         return hits
 
+    def least_recently_used(self, n: int) -> list[int]:
+        if n < 0:
+            raise ValueError("negative n")
+        return list(self.lru[:n])
+
     def peek_prefix(self, tokens: list[int], max_blocks: int) -> list[int]:
         """What match_prefix would return, on a copy: nothing here changes."""
         return copy.deepcopy(self).match_prefix(tokens, max_blocks)
@@ -352,6 +357,10 @@ class AllocatorMachine(RuleBasedStateMachine):
     def match_prefix(self, data, tokens: list[int]) -> None:
         if self.both("match_prefix", tokens, self.count(data, 4)):
             note("match_prefix: hit")
+
+    @rule(n=st.integers(-1, 9))
+    def least_recently_used(self, n: int) -> None:
+        self.both("least_recently_used", n)
 
     @rule(data=st.data(), tokens=st.lists(TOKEN, max_size=10))
     def peek_then_take_prefix(self, data, tokens: list[int]) -> None:

@@ -438,6 +438,14 @@ void BlockAllocator::check_holders(const std::unordered_map<int, int>& holders) 
   }
 }
 
+std::vector<int> BlockAllocator::least_recently_used(int n) const {
+  if (n < 0) throw std::invalid_argument(concat("least_recently_used: n must be >= 0, got ", n));
+  std::vector<int> ids;
+  ids.reserve(static_cast<size_t>(std::min(n, lru_size_)));
+  for (int id = lru_head_; id != kNone && static_cast<int>(ids.size()) < n; id = lru_next_[id]) ids.push_back(id);
+  return ids;
+}
+
 std::tuple<std::vector<int>, std::vector<int>, std::vector<int>> BlockAllocator::blocks_in_state() const {
   std::vector<int> free_ids(free_list_.begin(), free_list_.end());
   std::sort(free_ids.begin(), free_ids.end());

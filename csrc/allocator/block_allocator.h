@@ -131,6 +131,8 @@ class BlockAllocator {
   bool commit(int block_id, int parent, const std::vector<Token>& tokens);
   // Moves up to n least-recently-used cached blocks to the free list; returns how many.
   int evict(int n);
+  // The ids evict(n) would free, in that order, changing nothing (O(n), unlike blocks_in_state()).
+  std::vector<int> least_recently_used(int n) const;
 
   int refcount(int block_id) const;
   bool is_cached(int block_id) const;

@@ -268,6 +268,22 @@ TEST(BlockAllocator, CachedBlocksAreEvictedInLeastRecentlyUsedOrder) {
   a.check();
 }
 
+TEST(BlockAllocator, LeastRecentlyUsedNamesWhatEvictWouldFreeAndChangesNothing) {
+  BlockAllocator a(8, 2);
+  Ids first = cache_chain(a, {1, 2, 3, 4});
+  Ids second = cache_chain(a, {5, 6});
+  a.free({first[1], first[0]});
+  a.free(second);
+  EXPECT_EQ(a.least_recently_used(2), (Ids{first[1], first[0]}));
+  EXPECT_EQ(a.least_recently_used(10), (Ids{first[1], first[0], second[0]}));
+  EXPECT_TRUE(a.least_recently_used(0).empty());
+  EXPECT_EQ(a.num_cached_unused(), 3);
+  EXPECT_THROW(a.least_recently_used(-1), std::invalid_argument);
+  EXPECT_EQ(a.evict(2), 2);
+  EXPECT_EQ(a.least_recently_used(5), (Ids{second[0]}));
+  a.check();
+}
+
 TEST(BlockAllocator, AllocateEvictsOnlyWhenTheFreeListIsEmpty) {
   BlockAllocator a(3, 1);
   Ids ids = a.allocate(2);
