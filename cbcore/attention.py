@@ -112,6 +112,8 @@ class StepMetadata:
     prefill_block_table: torch.Tensor
     prefill_cu_seqlens_q: torch.Tensor
     prefill_seq_lens_k: torch.Tensor
+    # The kernel mode (CBCORE_KERNELS) the engine resolved when it was built; every layer's op calls use it.
+    kernel_mode: str = "auto"
 
 
 class _ShapeProbe:
@@ -228,14 +230,15 @@ def paged_attention(
     softcap = kwargs.get("softcap")
     sinks = kwargs.get("s_aux")
 
-    ops.cache_write(k, v, k_cache, v_cache, step.slot_mapping)
+    mode = step.kernel_mode
+    ops.cache_write(k, v, k_cache, v_cache, step.slot_mapping, mode)
 
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
     num_decode = step.num_decode_tokens
     if num_decode:
         out[:num_decode] = ops.decode_attention(
             q[:num_decode], k_cache, v_cache, step.decode_block_table, step.decode_seq_lens, scale, window, softcap,
-            sinks,
+            sinks, mode,
         )
     if step.num_prefill_requests:
         out[num_decode:] = ops.prefill_attention(
@@ -249,6 +252,7 @@ def paged_attention(
             window,
             softcap,
             sinks,
+            mode,
         )
     return out.unsqueeze(0), None
 

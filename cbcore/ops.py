@@ -38,7 +38,8 @@ reference does).
 `CBCORE_KERNELS=reference` runs the references everywhere. `cpu`, `cuda` and `triton` force one backend for the ops it
 implements (cpu: all three on CPU tensors; cuda: cache_write and decode on CUDA tensors; triton: prefill, on CUDA
 tensors or anywhere under TRITON_INTERPRET=1) and raise instead of falling back, so a test knows the kernel it meant
-really ran; every other op runs the reference. Any other value raises ValueError. The variable is read on every call.
+really ran; every other op runs the reference. Any other value raises ValueError. An engine reads the variable once,
+when it is built (`ModelRunner`), and hands the mode to every call of its steps; a call without a mode reads it then.
 """
 
 from __future__ import annotations
@@ -218,10 +219,12 @@ def _sinks(sinks: torch.Tensor | None, num_heads: int, device: torch.device) -> 
 
 
 def cache_write(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    mode: str | None = None,
 ) -> None:
-    """Write new K/V rows `[num_tokens, kv_heads, head_dim]` into their page slots."""
-    mode = kernel_mode()
+    """Write new K/V rows `[num_tokens, kv_heads, head_dim]` into their page slots. `mode`: the kernel mode the
+    engine resolved when it was built (None: read CBCORE_KERNELS now)."""
+    mode = mode or kernel_mode()
     if mode != "reference":
         if k_cache.is_cuda and mode in ("auto", "cuda"):
             why = _why_not_cuda_cache_write(k_cache, v_cache)
@@ -251,13 +254,14 @@ def decode_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    mode: str | None = None,
 ) -> torch.Tensor:
     """One query token per request against that request's pages. Returns `[batch, heads, v_head_dim]`.
 
-    softcap, sinks: see the module docstring (None: off)."""
+    softcap, sinks: see the module docstring (None: off). mode: as for `cache_write`."""
     cap = _softcap(softcap)
     sinks = _sinks(sinks, q.shape[1], q.device)
-    mode = kernel_mode()
+    mode = mode or kernel_mode()
     if mode != "reference":
         if q.is_cuda and mode in ("auto", "cuda"):
             why = _why_not_cuda_decode(q, k_cache, v_cache)
@@ -290,14 +294,15 @@ def prefill_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    mode: str | None = None,
 ) -> torch.Tensor:
     """Packed causal attention: each request's new queries over its cached prefix plus its new keys (already
     written to the pages). Returns `[num_tokens, heads, v_head_dim]`.
 
-    softcap, sinks: see the module docstring (None: off)."""
+    softcap, sinks: see the module docstring (None: off). mode: as for `cache_write`."""
     cap = _softcap(softcap)
     sinks = _sinks(sinks, q.shape[1], q.device)
-    mode = kernel_mode()
+    mode = mode or kernel_mode()
     if mode != "reference":
         if (q.is_cuda and mode == "auto") or mode == "triton":
             why = _why_not_triton_prefill(q, k_cache, v_cache)

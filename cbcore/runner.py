@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import ops
 from .attention import STEP_KWARG, StepMetadata, paged_step
 from .cache import PagedKVCache
 from .sampling import Sampler
@@ -43,6 +44,8 @@ class ModelRunner:
         self.cache = cache
         self.sampler = sampler
         self.device = cache.device
+        # The kernel backend's mode, resolved once for this engine (ops.kernel_mode reads CBCORE_KERNELS).
+        self.kernel_mode = ops.kernel_mode()
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, StepMetadata, list[int], list[ScheduledRequest]]:
         """Build input ids, positions, the step metadata and the emitting rows for `batch`."""
@@ -82,6 +85,7 @@ class ModelRunner:
             prefill_block_table=block_table[num_decode:].to(device),
             prefill_cu_seqlens_q=(cu_q[num_decode:] - num_decode).to(torch.int32).to(device),
             prefill_seq_lens_k=seq_lens[num_decode:].to(device),
+            kernel_mode=self.kernel_mode,
         )
         emitting = [i for i, item in enumerate(ordered) if item.emits_token]
         emit_rows = [int(cu_q[i + 1]) - 1 for i in emitting]

@@ -139,3 +139,17 @@ def test_forks_and_swaps_in_the_same_steps_keep_every_child_exact() -> None:
         want = reference_tokens(model, prompt, greedy_config(10))
         family = [f"req_{index}", f"req_{index}__child#0", f"req_{index}__child#1"]
         assert [finals[rid].generated_tokens for rid in family] == [want] * 3
+
+
+def test_the_kernel_mode_is_resolved_once_when_the_engine_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CBCORE_KERNELS is read when the engine is built, not by every layer's op call: changing it afterwards (even to
+    a value that would raise) does not reach the engine's steps."""
+    monkeypatch.setenv("CBCORE_KERNELS", "reference")
+    model = tiny_model("qwen2")
+    engine = engine_for(model, greedy_config(4), page_size=4, num_blocks=16)
+    assert engine.runner.kernel_mode == "reference"
+    monkeypatch.setenv("CBCORE_KERNELS", "no-such-backend")
+    prompt = random_prompts([6], seed=75)[0]
+    engine.add_request(request(0, prompt, 4))
+    finals = run_to_the_end(engine)
+    assert finals["req_0"].generated_tokens == reference_tokens(model, prompt, greedy_config(4))
