@@ -14,10 +14,12 @@ soft-capping: Gemma-2) and `s_aux` (attention sinks: GPT-OSS) go to the kernels;
 known to change nothing about attention (each with the reason); any other kwarg, or a value cbcore cannot honour
 (`is_causal=False`, `output_attentions=True`, dropout > 0), raises an error naming it rather than being dropped.
 
-Outside cbcore's steps (a user's own forward, `model.generate`, a training step while a manager is attached) both
-functions behave exactly like transformers' "sdpa": the model stays usable while cbcore holds it. sdpa cannot honour
-`softcap` (it raises) and ignores `s_aux`; a layer that passes either runs its model's own eager attention instead
-(what such models require in transformers anyway: Gemma-2 and GPT-OSS do not support sdpa). The runner marks its
+Outside cbcore's steps (a user's own forward, `model.generate`, a training step while a manager is attached) the
+model's own attention runs, so the model stays usable while cbcore holds it: a model that had "eager" runs its own
+eager function (and eager's form of the mask); any other runs transformers' "sdpa" (a flash implementation's varlen
+inputs cannot be rebuilt here). sdpa cannot honour `softcap` (it raises) and ignores `s_aux`, so a layer that passes
+either runs its model's own eager attention too (what such models require in transformers anyway: Gemma-2 and
+GPT-OSS do not support sdpa). The runner marks its
 forward with `paged_step()`, a thread-local flag, because transformers calls the mask function without the forward's
 kwargs.
 """
@@ -73,6 +75,22 @@ IGNORED_KWARGS = {
 }
 
 _in_paged_step = threading.local()
+
+# Set on a bound model's modules (engine.model_binding): the implementation the model had, which its attention layers
+# run outside cbcore's steps. "eager" runs the model's own eager function; anything else runs transformers' sdpa,
+# whose mask the registered mask function builds (flash implementations take no such mask). A plain module attribute:
+# it is in no state_dict and no saved config.
+OUTSIDE_STEPS_ATTR = "_cbcore_outside_steps_attn_implementation"
+
+
+def mark_outside_steps_implementation(model: torch.nn.Module, implementation: str | None) -> None:
+    """Record (or, with None, forget) on every module of `model` the attention implementation its layers run outside
+    cbcore's steps."""
+    for module in model.modules():
+        if implementation is None:
+            module.__dict__.pop(OUTSIDE_STEPS_ATTR, None)
+        else:
+            module.__dict__[OUTSIDE_STEPS_ATTR] = implementation
 
 
 @contextmanager
@@ -212,8 +230,11 @@ def paged_attention(
         step = getattr(_in_paged_step, "step", None)  # a decoder layer dropped the forward's kwargs
     if isinstance(step, _ShapeProbe):
         return step.record(module, query, key, value)
-    if step is None:  # not one of cbcore's steps: behave like transformers' sdpa, or the model's eager (see above)
-        if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+    if step is None:  # not one of cbcore's steps: the model's own implementation (see outside_steps_implementation)
+        own = module.__dict__.get(OUTSIDE_STEPS_ATTR)
+        needs_eager = kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
+        has_eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None) is not None
+        if needs_eager or (own == "eager" and has_eager):
             return _model_eager_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if attention_mask is not None:

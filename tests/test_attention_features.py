@@ -230,3 +230,32 @@ def test_an_unknown_kwarg_reaching_attention_in_a_step_raises_naming_it() -> Non
     with torch.no_grad(), attention.paged_step(), pytest.raises(ValueError, match="'block_indices'"):
         model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False, block_indices=torch.zeros(3),
               **{attention.STEP_KWARG: object()})
+
+
+def test_outside_steps_an_eager_model_runs_its_own_eager_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a manager holds a model loaded with attn_implementation="eager", the model's own forward (outside
+    cbcore's steps) runs the model's eager attention, not sdpa, and gives exactly the logits it gave before."""
+    import transformers.models.llama.modeling_llama as modeling_llama
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2,
+                                         attn_implementation="eager")).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        before = model(ids).logits
+    calls = []
+    eager = modeling_llama.eager_attention_forward
+    monkeypatch.setattr(modeling_llama, "eager_attention_forward", lambda *a, **k: calls.append(1) or eager(*a, **k))
+    manager = cbcore.ContinuousBatchingManager(model, greedy_config(2),
+                                               cbcore.ContinuousBatchingConfig(page_size=4, num_blocks=16))
+    manager.start()
+    try:
+        calls.clear()
+        with torch.no_grad():
+            during = model(ids).logits
+    finally:
+        manager.stop()
+    assert len(calls) == 2  # one per layer
+    assert torch.equal(during, before)
+    assert model.config._attn_implementation == "eager"

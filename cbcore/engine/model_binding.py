@@ -38,6 +38,8 @@ class ModelBinding:
             if current != name and self.original_attn_implementation is None:
                 self.model.set_attn_implementation(name)
                 self.original_attn_implementation = current
+                # Outside cbcore's steps the layers run what the model had (its eager function for an eager model).
+                attention.mark_outside_steps_implementation(self.model, current)
             if self._packed_linears is None and self.model.device.type == "cpu":
                 self._packed_linears = PackedLinears.attach(self.model)
             self.attached = True
@@ -51,4 +53,5 @@ class ModelBinding:
             if self.original_attn_implementation is not None:
                 self.model.set_attn_implementation(self.original_attn_implementation)
                 self.original_attn_implementation = None
+                attention.mark_outside_steps_implementation(self.model, None)
             self.attached = False
