@@ -141,5 +141,7 @@ setup(
         "numpy",
         "psutil",
     ],
+    # `pip install cbcore[serve]`: what `python -m cbcore serve` needs (cbcore/serving/server/).
+    extras_require={"serve": ["fastapi", "uvicorn", "prometheus_client"]},
     zip_safe=False,
 )

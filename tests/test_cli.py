@@ -330,9 +330,11 @@ def test_no_command_prints_usage_and_exits_2(capsys) -> None:
     assert "generate" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", ["serve"])
-def test_commands_not_written_yet_are_not_offered(capsys, command) -> None:
+def test_serve_is_offered_with_its_options(capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        cli.main([command])
-    assert exit_info.value.code == 2
-    assert "invalid choice" in capsys.readouterr().err
+        cli.main(["serve", "--help"])
+    assert exit_info.value.code == 0
+    usage = capsys.readouterr().out
+    for option in ("--model", "--host", "--port", "--dtype", "--max-queue-size", "--api-key", "--page-size",
+                   "--num-blocks", "--max-batch-tokens", "--scheduler", "--no-prefix-sharing", "--seed"):
+        assert option in usage

@@ -1,0 +1,14 @@
+"""The OpenAI-compatible HTTP server behind `python -m cbcore serve` (DESIGN.md §10): FastAPI + uvicorn over one
+`ContinuousBatchingManager`.
+
+| module | one job |
+|---|---|
+| `protocol.py` | OpenAI request bodies: parsing, validation (`ProtocolError` -> 400 with OpenAI's error body), what is refused |
+| `detokenizer.py` | incremental detokenization that never splits a multi-byte character; stop strings on the text |
+| `generation.py` | one request's lifecycle on the manager: add its choices, stream snapshots, stop, cancel, usage |
+| `metrics.py` | the Prometheus metrics (`/metrics`) |
+| `app.py` | the FastAPI routes, auth, backpressure, engine-death watchdog, response and SSE chunk bodies |
+| `launch.py` | building the manager from the command line and running uvicorn (`serve` in `cbcore/cli.py`) |
+
+Importing this package needs the `serve` extra (fastapi, uvicorn, prometheus_client).
+"""

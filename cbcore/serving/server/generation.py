@@ -1,0 +1,216 @@
+"""One HTTP request's lifecycle on the manager: its choices added, their snapshots turned into text, stopped, ended.
+
+A request is `len(prompts) * n` choices; each is one manager request (id `<response id>-<choice index>`), always
+added with `streaming=True` so that stop strings are seen as soon as they are generated and latencies can be
+measured. Its outputs reach the asyncio loop through `register_result_handler`: `add_request` and the handler's
+registration happen on the loop thread with no await between them, and anything the engine delivered in that
+instant (it went to the manager's shared output queue, no handler being registered yet) is drained with
+`get_result(request_id, timeout=0)` before any handler call can run, so no output is lost or reordered and none is
+left behind in the manager's queue.
+
+A choice ends when its terminal output arrives (FINISHED: `finish_reason` "stop" on EOS, "length" at max_tokens),
+or as soon as a stop string appears in its text: the request is then cancelled in the engine at once (its blocks are
+freed) and its later outputs are ignored. `cancel()` (client disconnected) cancels every choice not yet ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from cbcore.requests import GenerationOutput, RequestStatus
+
+from .detokenizer import IncrementalDetokenizer, StopMatcher
+from .metrics import ServerMetrics
+from .protocol import ProtocolError, SamplingParams
+
+# How often a wait for outputs checks that the engine loop is still alive (the loop fails every pending request when
+# it dies, so this is a second line of defence against a wait that could never end).
+_LIVENESS_POLL_S = 1.0
+
+
+class EngineUnavailable(Exception):
+    """The engine loop is not running (stopping, or it died): answered 503."""
+
+
+@dataclass
+class Delta:
+    """New output of one choice: text safe to send, the tokens it accounts for (and their logprobs), and, on its
+    last delta, why it ended. `error` is set when the engine failed the choice."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class _Choice:
+    """The server's view of one manager request."""
+
+    def __init__(self, index: int, request_id: str, prompt_index: int, prompt_len: int, tokenizer: Any,
+                 stops: list[str]) -> None:
+        self.index = index
+        self.request_id = request_id
+        self.prompt_index = prompt_index
+        self.prompt_len = prompt_len
+        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.stop = StopMatcher(stops)
+        self.done = False
+        self.started = False  # first token seen
+        self.num_tokens = 0  # generated tokens accounted for (usage)
+        self.tokens_sent = 0  # tokens whose logprobs went out in a delta
+        self.added_at = time.perf_counter()
+        self.last_token_at = self.added_at
+
+
+class Generation:
+    """The choices of one HTTP request on the manager."""
+
+    def __init__(self, manager: Any, tokenizer: Any, metrics: ServerMetrics, response_id: str,
+                 prompts: list[list[int]], params: SamplingParams, eos_token_ids: set[int]) -> None:
+        self.manager = manager
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.response_id = response_id
+        self.prompts = prompts
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.choices: list[_Choice] = []
+        self._events: asyncio.Queue[tuple[_Choice, GenerationOutput] | None] = asyncio.Queue()
+        self.prompt_tokens = sum(len(p) for p in prompts)
+
+    # ----------------------------------------------------------------------------------------------- adding ----
+
+    def start(self) -> None:
+        """Add every choice (synchronously, on the loop thread). On any refusal the choices already added are
+        cancelled and the error is raised: ProtocolError (400 / 429) or EngineUnavailable (503)."""
+        kwargs = self.params.engine_kwargs()
+        try:
+            for prompt_index, prompt in enumerate(self.prompts):
+                for k in range(self.params.n):
+                    index = prompt_index * self.params.n + k
+                    choice = _Choice(index, f"{self.response_id}-{index}", prompt_index, len(prompt),
+                                     self.tokenizer, self.params.stop)
+                    self._add(choice, prompt, kwargs)
+        except BaseException:
+            self.cancel()
+            raise
+        self.metrics.prompt_tokens.inc(self.prompt_tokens)
+
+    def _add(self, choice: _Choice, prompt: list[int], kwargs: dict[str, Any]) -> None:
+        import queue
+
+        try:
+            self.manager.add_request(prompt, request_id=choice.request_id, max_new_tokens=self.params.max_tokens,
+                                     streaming=True, **kwargs)
+        except queue.Full as error:
+            raise ProtocolError("the server's queue is full; retry later", code="rate_limit_exceeded",
+                                status_code=429, error_type="rate_limit_error") from error
+        except (TypeError, ValueError) as error:
+            raise ProtocolError(str(error)) from error
+        except RuntimeError as error:
+            raise EngineUnavailable(str(error)) from error
+        self.choices.append(choice)
+        self.metrics.choice_added()
+
+        def handler(output: GenerationOutput, choice: _Choice = choice) -> None:
+            self._events.put_nowait((choice, output))
+
+        self.manager.register_result_handler(choice.request_id, handler)
+        # Outputs delivered before the handler existed went to the manager's shared queue: take them now, in order.
+        while (early := self.manager.get_result(choice.request_id, timeout=0)) is not None:
+            handler(early)
+
+    # -------------------------------------------------------------------------------------------- consuming ----
+
+    def cancel(self) -> None:
+        """Cancel every choice not yet ended (a client that went away): the engine frees their blocks at once."""
+        for choice in self.choices:
+            if not choice.done:
+                self._end(choice)
+                self.manager.cancel_request(choice.request_id)
+        self._events.put_nowait(None)  # wakes `deltas()`, which then sees every choice ended
+
+    def _end(self, choice: _Choice) -> None:
+        choice.done = True
+        self.metrics.choice_ended(choice.started)
+
+    @property
+    def finished(self) -> bool:
+        return all(choice.done for choice in self.choices)
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Yield deltas of every choice, interleaved as the engine produces them, until every choice has ended.
+        Raises EngineUnavailable if the engine loop stops while choices are pending."""
+        while not self.finished:
+            try:
+                event = await asyncio.wait_for(self._events.get(), timeout=_LIVENESS_POLL_S)
+            except asyncio.TimeoutError:
+                if not self.manager.is_running():
+                    fatal = self.manager.background_thread_status.fatal_error
+                    raise EngineUnavailable(f"the engine loop stopped ({fatal!r})") from None
+                continue
+            if event is None:
+                continue
+            choice, output = event
+            if choice.done:
+                continue  # outputs after a stop string cancelled it, or after a disconnect
+            delta = self._advance(choice, output)
+            if delta is not None:
+                yield delta
+
+    def _advance(self, choice: _Choice, output: GenerationOutput) -> Delta | None:
+        tokens = output.generated_tokens
+        self._observe_latency(choice, len(tokens))
+        if output.status == RequestStatus.FAILED or output.status == RequestStatus.CANCELLED:
+            self._end(choice)
+            reason = output.error or ("cancelled by the engine" if output.status == RequestStatus.CANCELLED else
+                                      "failed")
+            return Delta(choice.index, error=f"request {choice.request_id}: {reason}")
+        finished = output.status == RequestStatus.FINISHED
+        text = choice.detokenizer.push(tokens, final=finished)
+        choice.stop.feed(text)
+        choice.num_tokens = len(tokens)
+        finish_reason = None
+        if choice.stop.stopped:
+            finish_reason = "stop"
+            if not finished:
+                self.manager.cancel_request(choice.request_id)  # its blocks are freed at the loop's next iteration
+        elif finished:
+            finish_reason = "stop" if tokens and tokens[-1] in self.eos_token_ids else "length"
+        released = choice.stop.release(final=finish_reason is not None)
+        if finish_reason is not None:
+            self._end(choice)
+        if not released and finish_reason is None:
+            return None
+        new_tokens = tokens[choice.tokens_sent :]
+        new_logprobs = list(output.logprobs[choice.tokens_sent : len(tokens)]) if self.params.logprobs else []
+        choice.tokens_sent = len(tokens)
+        self.metrics.generated_tokens.inc(len(new_tokens))
+        return Delta(choice.index, released, list(new_tokens), new_logprobs, finish_reason)
+
+    def _observe_latency(self, choice: _Choice, num_tokens: int) -> None:
+        new = num_tokens - choice.num_tokens
+        if new <= 0:
+            return
+        now = time.perf_counter()
+        if not choice.started:
+            choice.started = True
+            self.metrics.ttft.observe(now - choice.added_at)
+            self.metrics.choice_started()
+            new -= 1
+        if new > 0:
+            gap = (now - choice.last_token_at) / new
+            for _ in range(new):
+                self.metrics.itl.observe(gap)
+        choice.last_token_at = now
+
+    def usage(self) -> dict[str, int]:
+        completion = sum(choice.num_tokens for choice in self.choices)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}

@@ -1,0 +1,347 @@
+"""OpenAI request bodies for `/v1/completions` and `/v1/chat/completions`: parsing and validation.
+
+A body is checked field by field before anything reaches the engine; the first problem raises `ProtocolError`,
+which the app answers with OpenAI's error body `{"error": {"message", "type", "param", "code"}}` (400 unless said).
+
+Unknown fields are ignored, as OpenAI ignores them. Known OpenAI fields that would change the result but that cbcore
+does not implement are refused with 400 when set to anything but their neutral value, never silently dropped
+(STYLE.md #11): `presence_penalty`, `frequency_penalty`, `logit_bias`, `best_of` > n, `echo`, `suffix`, `tools`,
+`response_format` other than text, `top_logprobs` / `logprobs` > 0 alternatives, `seed`, `priority`.
+
+Why `seed` is refused: the engine draws every request's samples from one shared `torch.Generator` (the manager's
+`ContinuousBatchingConfig.seed`, `--seed` on the command line), in batch order, so a request's samples depend on
+which other requests share its steps. A per-request seed could not make its samples reproducible, so it is refused
+rather than accepted and ignored.
+
+Why `priority` is refused: the manager's `add_request` takes no priority and its scheduling policy is chosen once
+per engine (`--scheduler`), so a per-request priority cannot be honoured.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Any
+
+# OpenAI caps `stop` at 4 sequences; `n` and `top_logprobs` at 128 and 20.
+MAX_STOP_SEQUENCES = 4
+MAX_N = 128
+
+
+class ProtocolError(Exception):
+    """A request the server will not run: answered with OpenAI's error body."""
+
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        status_code: int = 400,
+        error_type: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.status_code = status_code
+        self.error_type = error_type
+
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error body."""
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class SamplingParams:
+    """What the engine is asked for one prompt; shared by every choice (`n`) of it."""
+
+    max_tokens: int | None  # None: until EOS or the end of the context
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    logprobs: bool = False  # the chosen token's logprob for every generated token
+    tokens_as_ids: bool = False  # vLLM's `return_tokens_as_token_ids`: logprob tokens as "token_id:<id>"
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The manager's per-request processor kwargs (`per_request_processors=True`). The manager samples every
+        request (its generation config has `do_sample=True`), so greedy is `top_k=1`: the warper leaves one finite
+        logit, which multinomial sampling then picks with probability 1, exactly the argmax (ties aside, as argmax
+        would take the first). Temperature and top_p do not change which logit is largest, so they are left out."""
+        if self.greedy:
+            return {"top_k": 1}
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+
+
+@dataclass
+class CompletionRequest:
+    """A parsed `/v1/completions` body: one or more prompts (text or token ids) with the same sampling."""
+
+    model: str | None
+    prompts: list[str | list[int]]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+
+
+@dataclass
+class ChatRequest:
+    """A parsed `/v1/chat/completions` body: the messages go through the model's chat template."""
+
+    model: str | None
+    messages: list[dict[str, Any]]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+
+
+# ------------------------------------------------------------------------------------------------ field checks
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(float(value))
+
+
+def _int_field(body: dict, name: str, low: int | None = None, high: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise ProtocolError(f"'{name}' must be an integer, got {value!r}", param=name, code="invalid_type")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"between {low} and {high}"
+        raise ProtocolError(f"'{name}' must be {bounds}, got {value}", param=name, code="invalid_value")
+    return value
+
+
+def _number_field(body: dict, name: str, low: float, high: float, low_open: bool = False) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_number(value):
+        raise ProtocolError(f"'{name}' must be a number, got {value!r}", param=name, code="invalid_type")
+    value = float(value)
+    if value > high or value < low or (low_open and value == low):
+        bracket = "(" if low_open else "["
+        raise ProtocolError(f"'{name}' must be in {bracket}{low:g}, {high:g}], got {value:g}", param=name,
+                            code="invalid_value")
+    return value
+
+
+def _bool_field(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ProtocolError(f"'{name}' must be a boolean, got {value!r}", param=name, code="invalid_type")
+    return value
+
+
+def _refuse_unsupported(body: dict, extra_neutral: dict[str, Any]) -> None:
+    """400 for a known OpenAI field set to a value cbcore cannot honour."""
+    neutral = {"presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
+               "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+               "priority": (None, 0)}
+    neutral.update(extra_neutral)
+    for name, allowed in neutral.items():
+        if name in body and body[name] not in allowed:
+            raise ProtocolError(
+                f"'{name}' is not supported by this server (cbcore serves plain sampling: temperature, top_p, top_k, "
+                f"max_tokens, n, stop); got {body[name]!r}",
+                param=name, code="unsupported_parameter",
+            )
+    if body.get("seed") is not None:
+        raise ProtocolError(
+            "'seed' is not supported: the engine samples every request from one shared generator, so a request's "
+            "samples depend on the other requests in its batch and a per-request seed could not make them "
+            "reproducible. Start the server with --seed for a reproducible server-wide stream, or use temperature=0.",
+            param="seed", code="unsupported_parameter",
+        )
+
+
+def _stop(body: dict) -> list[str]:
+    value = body.get("stop")
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ProtocolError("'stop' must be a string or a list of strings", param="stop", code="invalid_type")
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise ProtocolError(f"'stop' holds at most {MAX_STOP_SEQUENCES} sequences, got {len(stops)}", param="stop",
+                            code="invalid_value")
+    if any(not s for s in stops):
+        raise ProtocolError("'stop' sequences must not be empty", param="stop", code="invalid_value")
+    return list(dict.fromkeys(stops))
+
+
+def _stream_options(body: dict, stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise ProtocolError("'stream_options' is only allowed when 'stream' is true", param="stream_options",
+                            code="invalid_value")
+    if not isinstance(options, dict):
+        raise ProtocolError("'stream_options' must be an object", param="stream_options", code="invalid_type")
+    return _bool_field(options, "include_usage")
+
+
+def _model(body: dict) -> str | None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ProtocolError("'model' must be a string", param="model", code="invalid_type")
+    return model
+
+
+def _user(body: dict) -> None:
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise ProtocolError("'user' must be a string", param="user", code="invalid_type")
+
+
+def _sampling(body: dict, max_tokens: int | None, logprobs: bool) -> SamplingParams:
+    temperature = _number_field(body, "temperature", 0.0, 2.0)
+    top_p = _number_field(body, "top_p", 0.0, 1.0, low_open=True)
+    top_k = _int_field(body, "top_k", -1)  # vLLM's extra field; -1 and 0 turn it off
+    n = _int_field(body, "n", 1, MAX_N)
+    params = SamplingParams(
+        tokens_as_ids=_bool_field(body, "return_tokens_as_token_ids"),
+        max_tokens=max_tokens,
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=0 if top_k is None or top_k < 0 else top_k,
+        n=n or 1,
+        stop=_stop(body),
+        logprobs=logprobs,
+    )
+    if params.greedy and logprobs:
+        # The engine serves temperature 0 as top_k=1 sampling and reports the logprob of the distribution it sampled
+        # from, which is then 0.0 for every token: not the model's logprob, so it is refused rather than returned.
+        raise ProtocolError(
+            "logprobs with temperature=0 are not supported: greedy requests run as top_k=1 sampling, whose reported "
+            "logprob is always 0.0; use a temperature > 0 (temperature=1 reports the model's own logprobs)",
+            param="logprobs", code="unsupported_parameter",
+        )
+    return params
+
+
+def _body(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise ProtocolError("the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+# ------------------------------------------------------------------------------------------------ the two bodies
+
+
+def parse_completion(body: Any) -> CompletionRequest:
+    """Check a `/v1/completions` body. `prompt`: a string, a list of strings, a list of token ids, or a list of
+    lists of token ids (each one prompt). `logprobs`: 0 (the chosen token's logprob only) or null; alternatives
+    (`logprobs` > 0) are refused."""
+    body = _body(body)
+    _refuse_unsupported(body, {"echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)})
+    if _is_int(body.get("best_of")) and body["best_of"] != body.get("n", 1):
+        raise ProtocolError("'best_of' is not supported", param="best_of", code="unsupported_parameter")
+    prompts = _prompts(body.get("prompt"))
+    logprobs = _int_field(body, "logprobs", 0, 5)
+    if logprobs:
+        raise ProtocolError(
+            f"'logprobs'={logprobs} asks for the {logprobs} most likely alternatives at each position, which the "
+            "engine does not compute (it reports the chosen token's logprob only); use logprobs=0",
+            param="logprobs", code="unsupported_parameter",
+        )
+    max_tokens = _int_field(body, "max_tokens", 1)
+    stream = _bool_field(body, "stream")
+    _user(body)
+    return CompletionRequest(
+        model=_model(body),
+        prompts=prompts,
+        params=_sampling(body, 16 if max_tokens is None else max_tokens, logprobs is not None),  # OpenAI's default: 16
+        stream=stream,
+        include_usage=_stream_options(body, stream),
+    )
+
+
+def _prompts(value: Any) -> list[str | list[int]]:
+    if isinstance(value, str):
+        prompts: list[Any] = [value]
+    elif isinstance(value, list) and value and all(_is_int(t) for t in value):
+        prompts = [value]
+    elif isinstance(value, list) and value:
+        prompts = value
+    else:
+        raise ProtocolError("'prompt' must be a non-empty string, list of strings, list of token ids or list of "
+                            "lists of token ids", param="prompt", code="invalid_type")
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ProtocolError("'prompt' must not be empty", param="prompt", code="invalid_value")
+        elif not (isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt)):
+            raise ProtocolError("each prompt must be a non-empty string or a non-empty list of token ids (>= 0)",
+                                param="prompt", code="invalid_type")
+    return prompts
+
+
+def parse_chat(body: Any) -> ChatRequest:
+    """Check a `/v1/chat/completions` body. `messages`: role + content (a string or a list of text parts).
+    `logprobs`: true for the chosen token's logprob; `top_logprobs` > 0 is refused."""
+    body = _body(body)
+    _refuse_unsupported(body, {"response_format": (None, {"type": "text"})})
+    messages = _messages(body.get("messages"))
+    logprobs = _bool_field(body, "logprobs")
+    top_logprobs = _int_field(body, "top_logprobs", 0, 20)
+    if top_logprobs is not None and not logprobs:
+        raise ProtocolError("'top_logprobs' needs 'logprobs' set to true", param="top_logprobs", code="invalid_value")
+    if top_logprobs:
+        raise ProtocolError(
+            f"'top_logprobs'={top_logprobs} is not supported: the engine reports the chosen token's logprob only; "
+            "use top_logprobs=0 or leave it out",
+            param="top_logprobs", code="unsupported_parameter",
+        )
+    max_tokens = _int_field(body, "max_completion_tokens", 1)
+    legacy = _int_field(body, "max_tokens", 1)
+    if max_tokens is not None and legacy is not None and max_tokens != legacy:
+        raise ProtocolError("give one of 'max_tokens' and 'max_completion_tokens'", param="max_tokens",
+                            code="invalid_value")
+    stream = _bool_field(body, "stream")
+    _user(body)
+    return ChatRequest(
+        model=_model(body),
+        messages=messages,
+        params=_sampling(body, max_tokens if max_tokens is not None else legacy, logprobs),
+        stream=stream,
+        include_usage=_stream_options(body, stream),
+    )
+
+
+def _messages(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise ProtocolError("'messages' must be a non-empty list", param="messages", code="invalid_type")
+    messages = []
+    for index, message in enumerate(value):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ProtocolError(f"'{where}' must be an object with a string 'role'", param=where, code="invalid_type")
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise ProtocolError(f"'{where}.content': only text parts are supported", param=f"{where}.content",
+                                        code="unsupported_parameter")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise ProtocolError(f"'{where}.content' must be a string or a list of text parts",
+                                param=f"{where}.content", code="invalid_type")
+        messages.append({"role": message["role"], "content": content})
+    return messages

@@ -1,0 +1,121 @@
+"""OpenAI response bodies: completions and chat completions, whole or as SSE chunks, and their logprobs.
+
+Shapes follow OpenAI's API reference (and what the `openai` client parses): ids `cmpl-…` / `chatcmpl-…`, `created`
+in Unix seconds, `object` `text_completion` / `chat.completion` / `chat.completion.chunk`, `usage` with
+prompt / completion / total tokens. Logprobs are the chosen token's only: completions' `top_logprobs` is null and
+chat's `top_logprobs` is an empty list (alternatives are refused at parse time).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from .detokenizer import IncrementalDetokenizer
+
+
+def new_id(kind: str) -> str:
+    """`cmpl-<hex>` for completions, `chatcmpl-<hex>` for chat, as OpenAI names them."""
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    """One server-sent event: `data: <json>` and a blank line."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+@dataclass
+class ChoiceText:
+    """A choice's output as it accumulates (non-streaming responses)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class ResponseBuilder:
+    """Bodies for one request: `kind` is "completion" or "chat"."""
+
+    def __init__(self, kind: str, model: str, tokenizer: Any, logprobs: bool, include_usage: bool,
+                 tokens_as_ids: bool = False) -> None:
+        self.tokens_as_ids = tokens_as_ids
+        self.kind = kind
+        self.id = new_id(kind)
+        self.created = int(time.time())
+        self.model = model
+        self.logprobs = logprobs
+        self.include_usage = include_usage
+        self._detok = IncrementalDetokenizer(tokenizer)
+
+    # --------------------------------------------------------------------------------------------- logprobs ----
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[float], offset: int = 0) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        texts = [f"token_id:{t}" if self.tokens_as_ids else self._detok.token_text(t) for t in token_ids]
+        if self.kind == "chat":
+            return {"content": [
+                {"token": text, "logprob": lp, "top_logprobs": [],
+                 "bytes": None if "\ufffd" in text else list(text.encode("utf-8"))}
+                for text, lp in zip(texts, logprobs)
+            ]}
+        offsets = []
+        for text in texts:
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": texts, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+
+    # ----------------------------------------------------------------------------------------------- whole ----
+
+    def response(self, choices: list[ChoiceText], usage: dict[str, int]) -> dict[str, Any]:
+        if self.kind == "chat":
+            body_choices = [
+                {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                 "logprobs": self._logprobs(c.token_ids, c.logprobs), "finish_reason": c.finish_reason}
+                for c in choices
+            ]
+            obj = "chat.completion"
+        else:
+            body_choices = [
+                {"index": c.index, "text": c.text, "logprobs": self._logprobs(c.token_ids, c.logprobs),
+                 "finish_reason": c.finish_reason}
+                for c in choices
+            ]
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": body_choices, "usage": usage, "system_fingerprint": None}
+
+    # ---------------------------------------------------------------------------------------------- chunks ----
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        body = {"id": self.id, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, "system_fingerprint": None}
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def role_chunk(self, index: int) -> dict[str, Any]:
+        """Chat's first chunk of a choice: the assistant role."""
+        return self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}])
+
+    def delta_chunk(self, index: int, text: str, token_ids: list[int], logprobs: list[float],
+                    finish_reason: str | None, text_offset: int = 0) -> dict[str, Any]:
+        lp = self._logprobs(token_ids, logprobs, text_offset) if token_ids else None
+        if self.kind == "chat":
+            delta = {"content": text} if text or finish_reason is None else {}
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+        else:
+            choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+        return self._chunk([choice])
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        body = self._chunk([])
+        body["usage"] = usage
+        return body
