@@ -29,6 +29,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .generation import EngineUnavailable, Generation
@@ -93,7 +94,7 @@ def create_app(state: ServerState) -> FastAPI:
             header = request.headers.get("authorization", "")
             scheme, _, key = header.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), state.api_key.encode()):
-                metrics.count(request.url.path, "unauthorized")
+                metrics.count(_endpoint(request), "unauthorized")
                 return _error(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                               "invalid_request_error", code="invalid_api_key")
         return await call_next(request)
@@ -101,13 +102,13 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(ProtocolError)
     async def protocol_error(request: Request, error: ProtocolError):
         outcome = "rejected" if error.status_code == 429 else "invalid"
-        metrics.count(request.url.path, outcome)
+        metrics.count(_endpoint(request), outcome)
         headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status_code == 429 else None
         return JSONResponse(error.body(), status_code=error.status_code, headers=headers)
 
     @app.exception_handler(EngineUnavailable)
     async def engine_unavailable(request: Request, error: EngineUnavailable):
-        metrics.count(request.url.path, "failed")
+        metrics.count(_endpoint(request), "failed")
         return _error(503, f"the engine is not serving: {error}", "server_error", code="engine_unavailable")
 
     @app.exception_handler(StarletteHTTPException)
@@ -153,6 +154,15 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 # -------------------------------------------------------------------------------------------------- helpers
+
+_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/metrics", "/health")
+
+
+def _endpoint(request: Request) -> str:
+    """The metrics label of a request's path: one of the routes, else "other" (a label per unknown path would let
+    any client grow the metrics without bound)."""
+    path = request.url.path
+    return path if path in _ENDPOINTS else "other"
 
 
 async def _json(request: Request) -> Any:
@@ -243,16 +253,22 @@ async def _wait_for_disconnect(request: Request) -> None:
 async def _serve(request: Request, state: ServerState, metrics: ServerMetrics, kind: str,
                  prompts: list[list[int]], params: SamplingParams, stream: bool, include_usage: bool):
     params = _fit(state, prompts, params)
-    _check_capacity(state, len(prompts) * params.n, metrics.num_waiting)
+    # Requests still in the manager's input queue count too (a cancelled one stays there until the loop takes it):
+    # with room for all of this request's choices, add_request never waits on a full queue, which would block the
+    # event loop.
+    _check_capacity(state, len(prompts) * params.n, max(metrics.num_waiting, state.manager.input_queue.qsize()))
     builder = ResponseBuilder(kind, state.model_name, state.tokenizer, params.logprobs, include_usage,
                               params.tokens_as_ids)
     generation = Generation(state.manager, state.tokenizer, metrics, builder.id, prompts, params,
                             state.eos_token_ids)
     generation.start()
-    endpoint = request.url.path
+    endpoint = _endpoint(request)
     if stream:
+        # The background task runs once the response ends, disconnects included: a client gone before the stream's
+        # first chunk (the generator then never starts, so its `finally` never runs) still has its choices cancelled.
         return StreamingResponse(_stream(request, generation, builder, metrics, endpoint, kind),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                                 background=BackgroundTask(generation.cancel))
     collected = asyncio.ensure_future(_collect(generation))
     disconnected = asyncio.ensure_future(_wait_for_disconnect(request))
     try:

@@ -130,6 +130,8 @@ class Generation:
 
     def cancel(self) -> None:
         """Cancel every choice not yet ended (a client that went away): the engine frees their blocks at once."""
+        if self.finished:
+            return
         for choice in self.choices:
             if not choice.done:
                 self._end(choice)

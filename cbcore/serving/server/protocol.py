@@ -76,7 +76,11 @@ class SamplingParams:
         would take the first). Temperature and top_p do not change which logit is largest, so they are left out."""
         if self.greedy:
             return {"top_k": 1}
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+        # Only what differs from the manager's own config (temperature 1, top_p 1, no top_k): a step whose rows all
+        # carry no override skips the per-row processor loop entirely.
+        kwargs = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+        neutral = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+        return {name: value for name, value in kwargs.items() if value != neutral[name]}
 
 
 @dataclass
