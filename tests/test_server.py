@@ -79,12 +79,13 @@ def _free_port() -> int:
 class Server:
     """A `python -m cbcore serve` subprocess on a free loopback port."""
 
-    def __init__(self, model_dir: Path, *extra: str) -> None:
+    def __init__(self, model_dir: Path | None, *extra: str) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "cbcore", "serve", "--model", str(model_dir), "--host", "127.0.0.1", "--port",
+            [sys.executable, "-m", "cbcore", "serve", *(["--model", str(model_dir)] if model_dir else []), "--host",
+             "127.0.0.1", "--port",
              str(self.port), "--served-model-name", "tiny", "--log-level", "warning", *ENGINE, *extra],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
@@ -217,6 +218,28 @@ def test_greedy_chat_equals_model_generate_through_the_chat_template(client, ref
     assert out.id.startswith("chatcmpl-") and out.object == "chat.completion"
     assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == expected
     assert out.usage.completion_tokens == len(tokens)
+
+
+@pytest.fixture(scope="module")
+def default_model_server(tokenizer):
+    """The server with no --model: the default model (SmolLM2-135M-Instruct), float32."""
+    srv = Server(None)
+    try:
+        yield srv
+    finally:
+        srv.kill()
+
+
+def test_greedy_chat_of_the_default_model_equals_model_generate(default_model_server, tokenizer) -> None:
+    from cbcore.default_model import load_model_and_tokenizer
+
+    model, _ = load_model_and_tokenizer(None)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    expected, tokens = _greedy_reference(model, tokenizer, _chat_ids(tokenizer, messages), 16)
+    client = openai.OpenAI(base_url=default_model_server.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
+    assert out.choices[0].message.content == expected and out.usage.completion_tokens == len(tokens)
+    assert out.choices[0].finish_reason == ("stop" if tokens[-1] == 2 else "length")
 
 
 def test_list_of_prompts_and_n_give_one_choice_each(client) -> None:
