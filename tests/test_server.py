@@ -249,6 +249,18 @@ def test_list_of_prompts_and_n_give_one_choice_each(client) -> None:
     assert out.usage.completion_tokens <= 4 * 5 and out.usage.completion_tokens >= 4
 
 
+def test_streaming_n_2_interleaves_two_choices_each_ending_once(client) -> None:
+    chunks = list(client.completions.create(model="tiny", prompt="Once", n=2, max_tokens=6, temperature=1.0,
+                                            stream=True))
+    finishes = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            if choice.finish_reason is not None:
+                assert choice.index not in finishes
+                finishes[choice.index] = choice.finish_reason
+    assert sorted(finishes) == [0, 1]
+
+
 def test_streaming_chat_matches_the_non_streaming_text(client) -> None:
     messages = [{"role": "user", "content": "Hello there"}]
     whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
@@ -325,6 +337,10 @@ def test_logprobs_match_a_forward_of_the_model(client, reference_model) -> None:
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
                                   "top_logprobs": 3}, "top_logprobs"),
         ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
+                                  "max_completion_tokens": 4}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+         "messages[0].content"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "priority": 3}, "priority"),
     ],
