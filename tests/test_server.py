@@ -432,6 +432,49 @@ def test_sigterm_finishes_gracefully_and_exits_0(guarded_server) -> None:
     assert guarded_server.process.wait(timeout=30) == 0
 
 
+CRASHING_SERVER = """
+import sys
+from cbcore.manager import ContinuousBatchingManager
+from cbcore.cli import main
+
+taken_in = ContinuousBatchingManager._take_new_requests
+
+def take_in_then_crash(self):
+    taken_in(self)
+    if self.engine.has_work():
+        raise RuntimeError("injected loop crash")
+
+ContinuousBatchingManager._take_new_requests = take_in_then_crash
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_dead_engine_loop_fails_the_request_answers_503_and_exits_1(model_dir, tmp_path) -> None:
+    script = tmp_path / "crashing_server.py"
+    script.write_text(CRASHING_SERVER)
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    process = subprocess.Popen(
+        [sys.executable, str(script), "serve", "--model", str(model_dir), "--port", str(port), "--log-level",
+         "critical", *ENGINE], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, "the server did not start"
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.1)
+        response = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 4}, timeout=30)
+        assert response.status_code in (500, 503) and "injected loop crash" in response.json()["error"]["message"]
+        assert process.wait(timeout=30) == 1
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+
+
 def test_engine_death_answers_503_and_asks_for_a_non_zero_exit(tokenizer) -> None:
     from cbcore.serving.server.app import ServerState, _watch_engine, create_app
 

@@ -93,6 +93,7 @@ def serve(args: argparse.Namespace, stderr: TextIO) -> int:
         raise UsageError(f"cannot serve this model: {error}") from error
     exit_code = EXIT_OK
     server: uvicorn.Server | None = None
+    previous_handlers: dict[int, Any] = {}
 
     def on_engine_death(reason: str) -> None:
         nonlocal exit_code
@@ -115,7 +116,7 @@ def serve(args: argparse.Namespace, stderr: TextIO) -> int:
         # handlers it found, which would kill the process by that signal before the manager is stopped. Handlers
         # that do nothing make that re-raise harmless, so the shutdown below runs and the exit status is ours.
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: None)
+            previous_handlers[sig] = signal.signal(sig, lambda *_: None)
         server.run()
         if exit_code == EXIT_OK and server.started is False:
             exit_code = EXIT_ENGINE_DIED  # uvicorn could not start (port in use, ...): it logged why
@@ -127,4 +128,6 @@ def serve(args: argparse.Namespace, stderr: TextIO) -> int:
             manager.stop(block=True, timeout=10.0, hard_stop=True)
         if manager.background_thread_status.fatal_error is not None:
             exit_code = EXIT_ENGINE_DIED
+        for sig, handler in previous_handlers.items():
+            signal.signal(sig, handler)
     return exit_code
