@@ -18,7 +18,6 @@ import os
 import platform
 import random
 import socket
-import statistics
 import subprocess
 import sys
 import time

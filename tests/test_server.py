@@ -156,7 +156,8 @@ def guarded_server(model_dir):
 
 def _greedy_reference(model, tokenizer, prompt_ids: list[int], max_new_tokens: int) -> tuple[str, list[int]]:
     config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=2, pad_token_id=2)
-    out = model.generate(torch.tensor([prompt_ids]), generation_config=config, attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+    mask = torch.ones(1, len(prompt_ids), dtype=torch.long)
+    out = model.generate(torch.tensor([prompt_ids]), generation_config=config, attention_mask=mask)
     tokens = out[0, len(prompt_ids):].tolist()
     return tokenizer.decode(tokens, skip_special_tokens=True), tokens
 
@@ -384,7 +385,8 @@ def test_client_disconnect_cancels_the_request_and_frees_its_blocks(server) -> N
         httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=0.3)
     after = server.wait_idle()
     assert after["cbcore_engine_generated_tokens"] - before["cbcore_engine_generated_tokens"] < 2 * 450
-    cancelled = sum(v for k, v in after.items() if k.startswith("cbcore_http_requests_total") and 'outcome="cancelled"' in k)
+    cancelled = sum(value for name, value in after.items()
+                    if name.startswith("cbcore_http_requests_total") and 'outcome="cancelled"' in name)
     assert cancelled >= 2
 
 

@@ -3,7 +3,7 @@
 
 | module | one job |
 |---|---|
-| `protocol.py` | OpenAI request bodies: parsing, validation (`ProtocolError` -> 400 with OpenAI's error body), what is refused |
+| `protocol.py` | OpenAI request bodies: parsing, validation (`ProtocolError`: OpenAI's error body), what is refused |
 | `detokenizer.py` | incremental detokenization that never splits a multi-byte character; stop strings on the text |
 | `generation.py` | one request's lifecycle on the manager: add its choices, stream snapshots, stop, cancel, usage |
 | `metrics.py` | the Prometheus metrics (`/metrics`) |
