@@ -13,6 +13,7 @@ per-request kwargs, same types); its processors are then built from the generati
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -24,6 +25,8 @@ ProcessorFactory = Callable[[int, "int | None", dict], LogitsProcessorList]
 # transformers' per-request kwargs and their types (cb_logits_processors.py), and the ones it accepts and ignores.
 PER_REQUEST_KWARGS: dict[str, type] = {"temperature": float, "top_k": int, "top_p": float}
 IGNORED_KWARGS = ("filter_value", "min_tokens_to_keep")
+# How many processor lists (one per prompt length, token limit and per-request values) the sampler keeps built.
+MAX_CACHED_PROCESSOR_LISTS = 1024
 
 
 class LogitsProcessorSwitch:
@@ -35,11 +38,15 @@ class LogitsProcessorSwitch:
     def __init__(self, logits_processor: LogitsProcessorList) -> None:
         self.logits_processor = logits_processor
         self.do_processing = len(logits_processor) > 0
+        # Set by clear() only: a config without processors still applies each request's own temperature / top_k /
+        # top_p (per_request_processors), so "no base processor" must not switch those off.
+        self.cleared = False
 
     def clear(self) -> None:
         """No processor runs from the next step on."""
         self.logits_processor = LogitsProcessorList()
         self.do_processing = False
+        self.cleared = True
 
 
 class Sampler:
@@ -62,7 +69,9 @@ class Sampler:
         self.return_logprobs = return_logprobs
         self.per_request_processors = per_request_processors
         self._processor_factory = processor_factory
-        self._processors: dict[tuple, LogitsProcessorList] = {}
+        # (prompt length, max_new_tokens, overrides) -> processors, least recently used first; bounded, so a
+        # long-running server with ever new prompt lengths does not grow it forever.
+        self._processors: OrderedDict[tuple, LogitsProcessorList] = OrderedDict()
         self.has_processors = len(processor_factory(1, None, {})) > 0
         self.switch = switch if switch is not None else LogitsProcessorSwitch(processor_factory(1, None, {}))
         self.generator = torch.Generator()
@@ -80,6 +89,10 @@ class Sampler:
         if processors is None:
             processors = self._processor_factory(prompt_length, max_new_tokens, overrides)
             self._processors[key] = processors
+            if len(self._processors) > MAX_CACHED_PROCESSOR_LISTS:
+                self._processors.popitem(last=False)
+        else:
+            self._processors.move_to_end(key)
         return processors
 
     def sample(
@@ -96,7 +109,7 @@ class Sampler:
         scores = logits.float()
         kwargs_per_row = request_kwargs or [{}] * len(histories)
         limits = max_new_tokens or [None] * len(histories)
-        if self.switch.do_processing and (self.has_processors or any(kwargs_per_row)):
+        if not self.switch.cleared and (self.has_processors or any(kwargs_per_row)):
             rows = []
             for row, (history, prompt_length, kwargs) in enumerate(zip(histories, prompt_lengths, kwargs_per_row)):
                 processors = self.processors_for(prompt_length, limits[row], kwargs)

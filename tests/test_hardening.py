@@ -745,3 +745,20 @@ def test_logit_processor_clear_turns_every_processor_off() -> None:
     finally:
         manager.stop()
     assert output.generated_tokens == reference_tokens(model, prompt, greedy_config(6))
+
+
+def test_per_request_sampling_values_apply_when_the_config_builds_no_processor() -> None:
+    """A sampling config at its defaults builds no logits processor; a request's own top_k=1 must still apply (it is
+    greedy then), not be dropped because the manager-wide list is empty."""
+    model = tiny_model("llama_gqa")
+    prompt = random_prompts([7], seed=23)[0]
+    config = GenerationConfig(max_new_tokens=6, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
+                              eos_token_id=None, pad_token_id=0)
+    manager = started(model, config, page_size=4, per_request_processors=True, seed=4)
+    try:
+        assert not manager.logit_processor.do_processing
+        rid = manager.add_request(prompt, top_k=1)
+        output = collect_outputs(manager, [rid])[rid]
+    finally:
+        manager.stop()
+    assert output.generated_tokens == reference_tokens(model, prompt, greedy_config(6))

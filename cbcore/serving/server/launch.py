@@ -44,11 +44,6 @@ def build_manager(model: Any, args: argparse.Namespace):
         manager = cbcore.ContinuousBatchingManager(model, serving_generation_config(model), cb_config)
     except (ValueError, NotImplementedError) as error:
         raise UsageError(f"cannot serve this model: {error}") from error
-    # Workaround: the sampler applies per-request processors only while `logit_processor.do_processing` is on, and
-    # the manager turns it off when its own generation config builds no processor (OpenAI's defaults build none),
-    # which would silently drop every request's temperature / top_p / top_k (temperature 0 would sample). On, rows
-    # without overrides still get no processor (their list is empty), so it costs nothing.
-    manager.logit_processor.do_processing = True
     return manager
 
 
