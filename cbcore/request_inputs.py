@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .sampling import IGNORED_KWARGS, PER_REQUEST_KWARGS
+from .sampling import IGNORED_KWARGS, PER_REQUEST_KWARGS, SEED_KWARG
 
 
 def _is_integer_array(value: Any) -> bool:
@@ -143,10 +143,18 @@ def processor_kwargs(kwargs: dict[str, Any], per_request_processors: bool, do_sa
             f"{what}: logits-processor kwargs {sorted(kwargs)} need per_request_processors=True in the "
             "ContinuousBatchingConfig"
         )
-    unknown = sorted(set(kwargs) - set(PER_REQUEST_KWARGS) - set(IGNORED_KWARGS))
+    unknown = sorted(set(kwargs) - set(PER_REQUEST_KWARGS) - set(IGNORED_KWARGS) - {SEED_KWARG})
     if unknown:
-        raise TypeError(f"{what}: unknown logits-processor kwargs {unknown}; supported: {sorted(PER_REQUEST_KWARGS)}")
+        supported = sorted([*PER_REQUEST_KWARGS, SEED_KWARG])
+        raise TypeError(f"{what}: unknown logits-processor kwargs {unknown}; supported: {supported}")
     normalised = dict(kwargs)
+    if SEED_KWARG in kwargs:
+        seed = _as_int(kwargs[SEED_KWARG])
+        if seed is None:
+            raise TypeError(f"{what}: seed must be an int, got {kwargs[SEED_KWARG]!r}")
+        if not 0 <= seed < 2**63:
+            raise ValueError(f"{what}: seed must be in [0, 2**63), got {seed}")
+        normalised[SEED_KWARG] = seed
     if "top_k" in kwargs:
         top_k = _as_int(kwargs["top_k"])
         if top_k is None:

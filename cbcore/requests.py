@@ -121,6 +121,8 @@ class RequestState:
     cancel_requested: bool = False
     # Indices of children (num_return_sequences) cancelled before their fork: they are never forked.
     cancelled_children: set[int] = field(default_factory=set)
+    # The request's own torch.Generator when it has a `seed` (made by the runner at its first sample).
+    sampling_generator: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.all_tokens = list(self.initial_tokens)

@@ -16,7 +16,7 @@ import torch
 from . import ops
 from .attention import STEP_KWARG, StepMetadata, paged_step
 from .cache import PagedKVCache
-from .sampling import Sampler
+from .sampling import SEED_KWARG, Sampler
 from .scheduler import ScheduledBatch, ScheduledRequest
 
 
@@ -121,6 +121,17 @@ class ModelRunner:
             )
         return (logits if emitted else None), emitted
 
+    @staticmethod
+    def _generator_of(state) -> torch.Generator | None:
+        """A request's own generator when it has a seed (made once; it keeps its state across steps, preemption
+        and recompute included: tokens already drawn are never drawn again)."""
+        seed = state.logit_processor_kwargs.get(SEED_KWARG)
+        if seed is None:
+            return None
+        if state.sampling_generator is None:
+            state.sampling_generator = torch.Generator().manual_seed(seed)
+        return state.sampling_generator
+
     def execute(self, batch: ScheduledBatch) -> StepResult:
         """Run one forward over `batch` and sample a token for every request that emits one."""
         logits, emitted = self.forward(batch)
@@ -132,5 +143,6 @@ class ModelRunner:
             [len(item.state.initial_tokens) for item in emitted],
             [item.state.logit_processor_kwargs for item in emitted],
             [item.state.max_new_tokens for item in emitted],
+            [self._generator_of(item.state) for item in emitted],
         )
         return StepResult(emitted, tokens, logprobs)

@@ -25,6 +25,9 @@ ProcessorFactory = Callable[[int, "int | None", dict], LogitsProcessorList]
 # transformers' per-request kwargs and their types (cb_logits_processors.py), and the ones it accepts and ignores.
 PER_REQUEST_KWARGS: dict[str, type] = {"temperature": float, "top_k": int, "top_p": float}
 IGNORED_KWARGS = ("filter_value", "min_tokens_to_keep")
+# A request's own seed (cbcore's addition, as vLLM's `seed`): its tokens are drawn from a generator of its own, so
+# they are the same whatever else shares its steps. Not a processor setting.
+SEED_KWARG = "seed"
 # How many processor lists (one per prompt length, token limit and per-request values) the sampler keeps built.
 MAX_CACHED_PROCESSOR_LISTS = 1024
 
@@ -102,10 +105,12 @@ class Sampler:
         prompt_lengths: list[int],
         request_kwargs: list[dict] | None = None,
         max_new_tokens: list[int | None] | None = None,
+        generators: list[torch.Generator | None] | None = None,
     ) -> tuple[list[int], list[float] | None]:
         """Pick one token per row of `logits` `[rows, vocab]`; `histories[i]` is row i's prompt + generated tokens,
         `prompt_lengths[i]` its prompt's length, `request_kwargs[i]` its per-request processor kwargs and
-        `max_new_tokens[i]` its token limit."""
+        `max_new_tokens[i]` its token limit and `generators[i]` its own generator (a request with a `seed`), or None
+        for the sampler's shared one."""
         scores = logits.float()
         kwargs_per_row = request_kwargs or [{}] * len(histories)
         limits = max_new_tokens or [None] * len(histories)
@@ -122,6 +127,9 @@ class Sampler:
         if self.do_sample:
             probs = torch.softmax(scores, dim=-1).cpu()
             tokens = torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(1)
+            for row, generator in enumerate(generators or ()):
+                if generator is not None:  # drawn from its own generator: the same whatever shares the step
+                    tokens[row] = torch.multinomial(probs[row], num_samples=1, generator=generator)[0]
         else:
             tokens = scores.argmax(dim=-1).cpu()
         logprobs = None

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from .cache import PagedKVCache
 from .requests import RequestState, RequestStatus, child_request_id
+from .sampling import SEED_KWARG
 
 
 @dataclass
@@ -267,6 +268,8 @@ class Scheduler:
             if index in parent.cancelled_children:  # cancelled before its fork; it already has its output
                 continue
             child = parent.fork_child(child_request_id(parent.request_id, index))
+            if SEED_KWARG in child.logit_processor_kwargs:  # each child draws its own reproducible sequence
+                child.logit_processor_kwargs[SEED_KWARG] += index + 1
             self.cache.fork(parent, child)
             self.running.insert(position, child)
             position += 1

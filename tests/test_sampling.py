@@ -70,3 +70,31 @@ def test_prompt_length_dependent_processor_counts_from_each_requests_own_prompt(
     for prompt, output in zip(prompts, outputs.values()):
         assert output.generated_tokens == reference_tokens(model, prompt, config)
     assert len(outputs["req_0"].generated_tokens) >= 4
+
+
+def test_a_request_with_its_own_seed_draws_the_same_tokens_whatever_shares_its_steps() -> None:
+    """`seed` (per request, with per_request_processors): the request samples from a generator of its own, so alone
+    or in a crowd of other sampled requests it draws the same tokens; another seed draws others."""
+    import cbcore
+    from conftest import collect_outputs
+
+    model = tiny_model("llama_gqa")
+    config = GenerationConfig(max_new_tokens=12, do_sample=True, temperature=1.5, eos_token_id=None, pad_token_id=0)
+    prompt = random_prompts([7], seed=31)[0]
+
+    def serve(requests: list[dict]) -> list[list[int]]:
+        manager = cbcore.ContinuousBatchingManager(
+            model, config, cbcore.ContinuousBatchingConfig(page_size=4, num_blocks=128, per_request_processors=True))
+        manager.start()
+        try:
+            ids = [manager.add_request(**request) for request in requests]
+            outputs = collect_outputs(manager, ids)
+        finally:
+            manager.stop()
+        return [outputs[rid].generated_tokens for rid in ids]
+
+    (alone,) = serve([{"input_ids": prompt, "seed": 7}])
+    crowd = serve([{"input_ids": p} for p in random_prompts([5, 9, 3], seed=32)]
+                  + [{"input_ids": prompt, "seed": 7}, {"input_ids": prompt, "seed": 8}])
+    assert crowd[3] == alone
+    assert crowd[4] != alone

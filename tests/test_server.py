@@ -8,6 +8,8 @@ server subprocesses are killed in their fixtures' teardown.
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import asyncio
 import contextlib
 import os
@@ -243,6 +245,22 @@ def test_greedy_chat_of_the_default_model_equals_model_generate(default_model_se
     assert out.choices[0].finish_reason == ("stop" if tokens[-1] == 2 else "length")
 
 
+def test_a_seed_makes_sampled_text_reproducible_whatever_else_runs(client) -> None:
+    """`seed`: each choice draws from a generator of its own (seed + choice index), so the same request gives the same
+    text alone and while other sampled requests share its steps; its two choices differ from each other."""
+    request = dict(model="tiny", prompt=PROMPT, max_tokens=16, temperature=1.0, seed=1234, n=2)
+    alone = client.completions.create(**request)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        noise = [pool.submit(client.completions.create, model="tiny", prompt=PROMPT, max_tokens=16, temperature=1.0)
+                 for _ in range(3)]
+        crowded = client.completions.create(**request)
+        for future in noise:
+            future.result(timeout=60)
+    texts = [choice.text for choice in sorted(alone.choices, key=lambda c: c.index)]
+    assert texts == [choice.text for choice in sorted(crowded.choices, key=lambda c: c.index)]
+    assert texts[0] != texts[1]
+
+
 def test_list_of_prompts_and_n_give_one_choice_each(client) -> None:
     out = client.completions.create(model="tiny", prompt=["One", "Two"], n=2, max_tokens=5, temperature=1.0)
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
@@ -324,7 +342,7 @@ def test_logprobs_match_a_forward_of_the_model(client, reference_model) -> None:
 @pytest.mark.parametrize(
     "path, body, param",
     [
-        ("/v1/completions", {"prompt": "x", "seed": 1}, "seed"),
+        ("/v1/completions", {"prompt": "x", "seed": -1}, "seed"),
         ("/v1/completions", {"prompt": "x", "logprobs": 2}, "logprobs"),
         ("/v1/completions", {"prompt": "x", "temperature": 0, "logprobs": 0}, "logprobs"),
         ("/v1/completions", {"prompt": "x", "temperature": 2.5}, "temperature"),

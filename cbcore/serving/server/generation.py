@@ -96,7 +96,8 @@ class Generation:
                     index = prompt_index * self.params.n + k
                     choice = _Choice(index, f"{self.response_id}-{index}", prompt_index, len(prompt),
                                      self.tokenizer, self.params.stop)
-                    self._add(choice, prompt, kwargs)
+                    seeded = kwargs if self.params.seed is None else {**kwargs, "seed": self.params.seed + k}
+                    self._add(choice, prompt, seeded)
         except BaseException:
             self.cancel()
             raise

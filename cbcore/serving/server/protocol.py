@@ -6,12 +6,11 @@ which the app answers with OpenAI's error body `{"error": {"message", "type", "p
 Unknown fields are ignored, as OpenAI ignores them. Known OpenAI fields that would change the result but that cbcore
 does not implement are refused with 400 when set to anything but their neutral value, never silently dropped
 (STYLE.md #11): `presence_penalty`, `frequency_penalty`, `logit_bias`, `best_of` > n, `echo`, `suffix`, `tools`,
-`response_format` other than text, `top_logprobs` / `logprobs` > 0 alternatives, `seed`, `priority`.
+`response_format` other than text, `top_logprobs` / `logprobs` > 0 alternatives, `priority`.
 
-Why `seed` is refused: the engine draws every request's samples from one shared `torch.Generator` (the manager's
-`ContinuousBatchingConfig.seed`, `--seed` on the command line), in batch order, so a request's samples depend on
-which other requests share its steps. A per-request seed could not make its samples reproducible, so it is refused
-rather than accepted and ignored.
+`seed`: each choice draws its tokens from a generator of its own, seeded with `seed + choice index` (the manager's
+per-request `seed`), so the same request with the same seed gives the same text whatever else the server is doing;
+without `seed`, samples come from the server's shared generator (`--seed`).
 
 Why `priority` is refused: the manager's `add_request` takes no priority and its scheduling policy is chosen once
 per engine (`--scheduler`), so a per-request priority cannot be honoured.
@@ -63,6 +62,7 @@ class SamplingParams:
     n: int = 1
     stop: list[str] = field(default_factory=list)
     logprobs: bool = False  # the chosen token's logprob for every generated token
+    seed: int | None = None  # choice i draws from its own generator seeded with seed + i
     tokens_as_ids: bool = False  # vLLM's `return_tokens_as_token_ids`: logprob tokens as "token_id:<id>"
 
     @property
@@ -164,13 +164,6 @@ def _refuse_unsupported(body: dict, extra_neutral: dict[str, Any]) -> None:
                 f"max_tokens, n, stop); got {body[name]!r}",
                 param=name, code="unsupported_parameter",
             )
-    if body.get("seed") is not None:
-        raise ProtocolError(
-            "'seed' is not supported: the engine samples every request from one shared generator, so a request's "
-            "samples depend on the other requests in its batch and a per-request seed could not make them "
-            "reproducible. Start the server with --seed for a reproducible server-wide stream, or use temperature=0.",
-            param="seed", code="unsupported_parameter",
-        )
 
 
 def _stop(body: dict) -> list[str]:
@@ -226,6 +219,7 @@ def _sampling(body: dict, max_tokens: int | None, logprobs: bool) -> SamplingPar
         n=n or 1,
         stop=_stop(body),
         logprobs=logprobs,
+        seed=_int_field(body, "seed", 0, 2**62),
     )
     if params.greedy and logprobs:
         # The engine serves temperature 0 as top_k=1 sampling and reports the logprob of the distribution it sampled
