@@ -24,13 +24,13 @@ Numerics: oneDNN sums in a different order than MKL, as any change of batch shap
 from __future__ import annotations
 
 import logging
-import os
 import types
 from dataclasses import dataclass
 
 import torch
 
 from .attention import in_paged_step
+from .switches import env_switch
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +45,7 @@ def packing_available() -> bool:
 
 def packing_enabled() -> bool:
     """`CBCORE_PACKED_LINEAR` (default on): 0/false/no/off turn packing off; anything else not recognised raises."""
-    value = os.environ.get(PACKED_LINEAR_ENV, "1").strip().lower()
-    if value in ("1", "true", "yes", "on", ""):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{PACKED_LINEAR_ENV}={value!r}: expected 1 or 0")
+    return env_switch(PACKED_LINEAR_ENV)
 
 
 @dataclass

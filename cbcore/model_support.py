@@ -33,7 +33,6 @@ else gives wrong tokens without an error, so it must be refused. Two lines of de
 from __future__ import annotations
 
 import inspect
-import os
 import re
 import weakref
 from collections.abc import Iterator
@@ -44,6 +43,7 @@ from .cache import CacheShape, PagedKVCache
 from .requests import RequestState, RequestStatus
 from .runner import ModelRunner
 from .scheduler import FifoOrder, Scheduler
+from .switches import env_switch
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 SELF_CHECK_ENV = "CBCORE_SELF_CHECK"
@@ -251,12 +251,7 @@ _checked: weakref.WeakKeyDictionary[torch.nn.Module, set[tuple[torch.dtype, str]
 
 def self_check_enabled() -> bool:
     """`CBCORE_SELF_CHECK` (default on): 0/false/no/off skip the start-up self-check; anything else unknown raises."""
-    value = os.environ.get(SELF_CHECK_ENV, "1").strip().lower()
-    if value in ("1", "true", "yes", "on", ""):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{SELF_CHECK_ENV}={value!r}: expected 1 or 0")
+    return env_switch(SELF_CHECK_ENV)
 
 
 class _CountingPages(list):

@@ -46,6 +46,17 @@ def drain(manager: cbcore.ContinuousBatchingManager) -> dict[str, cbcore.Generat
     return finals
 
 
+def serve_one(manager: cbcore.ContinuousBatchingManager, input_ids, **kwargs) -> cbcore.GenerationOutput:
+    """Serve one request on `manager` (started here unless it runs already), then stop it: its terminal output."""
+    if not manager.is_running():
+        manager.start()
+    try:
+        request_id = manager.add_request(input_ids, **kwargs)
+        return collect_outputs(manager, [request_id])[request_id]
+    finally:
+        manager.stop()
+
+
 def model_is_untouched(model: torch.nn.Module) -> bool:
     """The model's own attention, and no packed linear forward left on any module."""
     packed = any("forward" in vars(module) for module in model.modules() if isinstance(module, torch.nn.Linear))
@@ -508,11 +519,7 @@ def test_eos_token_id_given_as_a_tensor_is_honoured() -> None:
     free_run = reference_tokens(model, prompt, greedy_config(10))
     eos = free_run[3]
     manager = started(model, greedy_config(10), page_size=4)
-    try:
-        rid = manager.add_request(prompt, eos_token_id=torch.tensor(eos))
-        output = collect_outputs(manager, [rid])[rid]
-    finally:
-        manager.stop()
+    output = serve_one(manager, prompt, eos_token_id=torch.tensor(eos))
     assert output.generated_tokens == free_run[: free_run.index(eos) + 1]
 
 
@@ -662,12 +669,7 @@ def test_the_generation_config_is_read_when_transformers_reads_it() -> None:
     manager.generation_config.repetition_penalty = 50.0
     manager.generation_config.do_sample = False
     manager.generation_config.max_new_tokens = 3
-    manager.start()
-    try:
-        rid = manager.add_request(prompt)
-        output = collect_outputs(manager, [rid])[rid]
-    finally:
-        manager.stop()
+    output = serve_one(manager, prompt)
     assert output.generated_tokens == reference_tokens(model, prompt, greedy_config(3))
 
 
@@ -675,11 +677,7 @@ def test_a_request_longer_than_the_cache_with_a_prompt_that_fits_ends_finished_w
     model = tiny_model("llama_gqa")
     prompt = random_prompts([6], seed=20)[0]
     manager = started(model, greedy_config(100), page_size=4, num_blocks=4)  # 16 tokens
-    try:
-        rid = manager.add_request(prompt)
-        output = collect_outputs(manager, [rid])[rid]
-    finally:
-        manager.stop()
+    output = serve_one(manager, prompt)
     assert output.status == cbcore.RequestStatus.FINISHED
     assert output.generated_tokens == reference_tokens(model, prompt, greedy_config(11))
     assert_engine_clean(manager)
@@ -738,12 +736,7 @@ def test_logit_processor_clear_turns_every_processor_off() -> None:
     assert manager.logit_processor.do_processing and len(manager.logit_processor.logits_processor) == 1
     manager.logit_processor.clear()
     assert not manager.logit_processor.do_processing
-    manager.start()
-    try:
-        rid = manager.add_request(prompt)
-        output = collect_outputs(manager, [rid])[rid]
-    finally:
-        manager.stop()
+    output = serve_one(manager, prompt)
     assert output.generated_tokens == reference_tokens(model, prompt, greedy_config(6))
 
 
