@@ -141,6 +141,7 @@ class _ShapeProbe:
         self.layers: dict[int, tuple[int, int, int]] = {}
 
     def record(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+        """Note this layer's K/V shapes; answer zeros of the attention output's shape."""
         layer = getattr(module, "layer_idx", None)
         if isinstance(layer, int):
             self.layers[layer] = (key.shape[1], key.shape[-1], value.shape[-1])

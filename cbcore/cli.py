@@ -62,6 +62,7 @@ class Prompt:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `python -m cbcore` parser with its commands (generate, bench, serve)."""
     parser = argparse.ArgumentParser(prog="python -m cbcore", description="cbcore: continuous batching for HF models.")
     commands = parser.add_subparsers(dest="command", title="commands")
     commands.required = True
@@ -329,6 +330,7 @@ def build_cb_config(args: argparse.Namespace, **overrides: Any):
 
 
 def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    """`python -m cbcore generate`: serve the prompts, print texts and the summary; the exit status."""
     import torch
     from transformers.utils import logging as hf_logging
 

@@ -137,12 +137,13 @@ class ModelRunner:
         logits, emitted = self.forward(batch)
         if not emitted:
             return StepResult([], [], None)
+        generators = [self._generator_of(item.state) for item in emitted]
         tokens, logprobs = self.sampler.sample(
             logits,
             [item.state.all_tokens for item in emitted],
             [len(item.state.initial_tokens) for item in emitted],
             [item.state.logit_processor_kwargs for item in emitted],
             [item.state.max_new_tokens for item in emitted],
-            [self._generator_of(item.state) for item in emitted],
+            generators if any(g is not None for g in generators) else None,  # None: no per-row draw at all
         )
         return StepResult(emitted, tokens, logprobs)

@@ -39,6 +39,7 @@ class PeakMemory:
             self._done.wait(MEMORY_SAMPLE_S)
 
     def stop(self) -> int:
+        """Stop sampling; the peak RSS seen, in bytes."""
         self._done.set()
         self._thread.join()
         return self.peak

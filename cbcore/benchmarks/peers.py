@@ -41,12 +41,14 @@ class StepClock(BaseStreamer):
         self._seen_prompt = False
 
     def put(self, value: torch.Tensor) -> None:
+        """transformers' streamer hook: stamp every generated token (the prompt, passed first, is skipped)."""
         if not self._seen_prompt:
             self._seen_prompt = True
             return
         self.stamps.append(time.perf_counter())
 
     def end(self) -> None:
+        """transformers' streamer hook at the end of generation: nothing to do."""
         pass
 
 
@@ -63,6 +65,7 @@ class ForwardTokenCounter:
             self.tokens += input_ids.numel()
 
     def remove(self) -> None:
+        """Take the forward hook off the model."""
         self._handle.remove()
 
 

@@ -47,6 +47,7 @@ def run(request: dict) -> dict:
     stops = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
 
     def params(max_tokens: int) -> SamplingParams:
+        """vLLM's sampling parameters for this workload, greedy, with this token limit."""
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=0.0,

@@ -64,6 +64,7 @@ class Workload:
 
     @property
     def prompt_tokens(self) -> int:
+        """Prompt tokens of the whole workload."""
         return sum(len(p) for p in self.prompts)
 
     def summary(self) -> dict:

@@ -61,6 +61,7 @@ class ServerState:
 
     @property
     def eos_token_ids(self) -> set[int]:
+        """The manager's default EOS ids (a finish_reason of "stop" when one ends a choice)."""
         eos = self.manager.default_eos_token_id
         return {t for t in ([eos] if isinstance(eos, int) else eos) if t >= 0}
 

@@ -145,6 +145,7 @@ class Generation:
 
     @property
     def finished(self) -> bool:
+        """Whether every choice has ended."""
         return all(choice.done for choice in self.choices)
 
     async def deltas(self) -> AsyncIterator[Delta]:
@@ -214,6 +215,7 @@ class Generation:
         choice.last_token_at = now
 
     def usage(self) -> dict[str, int]:
+        """OpenAI's usage counts: the prompt once, every choice's generated tokens."""
         completion = sum(choice.num_tokens for choice in self.choices)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion}

@@ -58,6 +58,7 @@ def max_context(model: Any, manager: Any) -> int:
 
 
 def serve(args: argparse.Namespace, stderr: TextIO) -> int:
+    """`python -m cbcore serve`: load the model, build the manager, run uvicorn until a signal; the exit status."""
     import torch
     import uvicorn
     from transformers.utils import logging as hf_logging

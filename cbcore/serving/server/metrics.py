@@ -40,9 +40,11 @@ class _EngineCollector:
         self.manager = manager
 
     def describe(self):
+        """prometheus_client's collector protocol: no fixed descriptions (they are collected live)."""
         return []
 
     def collect(self):
+        """The gauges read from `manager.stats()` at scrape time."""
         stats = self.manager.stats()
         for key, help_text in _ENGINE_STATS.items():
             if key in stats:
@@ -76,15 +78,18 @@ class ServerMetrics:
 
     # The server's queue: choices added and without a token yet (what --max-queue-size bounds), and choices generating.
     def choice_added(self) -> None:
+        """A choice was added to the manager: it waits for its first token."""
         self.num_waiting += 1
         self.waiting.inc()
 
     def choice_started(self) -> None:
+        """A choice got its first token: it is generating."""
         self.num_waiting -= 1
         self.waiting.dec()
         self.running.inc()
 
     def choice_ended(self, started: bool) -> None:
+        """A choice ended (`started`: it had got a token)."""
         if started:
             self.running.dec()
         else:
@@ -92,7 +97,9 @@ class ServerMetrics:
             self.waiting.dec()
 
     def count(self, endpoint: str, outcome: str) -> None:
+        """Count one HTTP request by endpoint and outcome."""
         self.requests.labels(endpoint=endpoint, outcome=outcome).inc()
 
     def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)

@@ -67,6 +67,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """Whether this request decodes greedily (temperature 0)."""
         return self.temperature == 0.0
 
     def engine_kwargs(self) -> dict[str, Any]:

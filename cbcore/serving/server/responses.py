@@ -74,6 +74,7 @@ class ResponseBuilder:
     # ----------------------------------------------------------------------------------------------- whole ----
 
     def response(self, choices: list[ChoiceText], usage: dict[str, int]) -> dict[str, Any]:
+        """The whole (non-streaming) response body."""
         if self.kind == "chat":
             body_choices = [
                 {"index": c.index, "message": {"role": "assistant", "content": c.text},
@@ -107,6 +108,7 @@ class ResponseBuilder:
 
     def delta_chunk(self, index: int, text: str, token_ids: list[int], logprobs: list[float],
                     finish_reason: str | None, text_offset: int = 0) -> dict[str, Any]:
+        """One streaming chunk: a choice's text delta (with its logprobs), or its finish_reason."""
         lp = self._logprobs(token_ids, logprobs, text_offset) if token_ids else None
         if self.kind == "chat":
             delta = {"content": text} if text or finish_reason is None else {}
