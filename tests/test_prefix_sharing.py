@@ -133,7 +133,10 @@ def test_a_request_waiting_at_the_head_of_the_queue_is_looked_up_once_when_admit
 
     model = tiny_model("llama_gqa")
     manager = cbcore.ContinuousBatchingManager(model, greedy_config(8),
-                                               cbcore.ContinuousBatchingConfig(page_size=4, num_blocks=14))
+                                               # No safety margin: the waiter reaches the prefix lookup every
+                                               # step (a margin would stop admission before it).
+                                               cbcore.ContinuousBatchingConfig(page_size=4, num_blocks=14,
+                                                                               safety_margin=0.0))
     manager.warmup()
     engine: EngineCore = manager.engine
     engine.binding.attach()
