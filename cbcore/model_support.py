@@ -339,13 +339,18 @@ def _run_self_check(model: torch.nn.Module, reference_attn_implementation: str |
         return "the throwaway engine did not finish the check"
 
     tolerance = _TOLERANCE.get(model.dtype, 6e-2)
+    takes_positions = "position_ids" in _parameters(model.forward)[0]
     with _attention_implementation(model, reference_attn_implementation), torch.inference_mode():
         for state in states:
             ids = torch.tensor([state.all_tokens], device=device)
+            # With an all-ones mask and, where the forward takes them, explicit 0-based positions, as
+            # `model.generate` calls it: some models apply their sliding window only when a mask is given (Moshi),
+            # and RoBERTa-style embeddings offset positions by the padding index only when they compute them.
+            inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}
+            if takes_positions:
+                inputs["position_ids"] = torch.arange(ids.shape[1], device=device)[None]
             try:
-                # With an all-ones mask, as `model.generate` calls it: some models apply their sliding window only
-                # when a mask is given (Moshi).
-                reference = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0].float()
+                reference = model(**inputs).logits[0].float()
             except Exception as error:  # noqa: BLE001
                 return f"the model's own forward raised {type(error).__name__}: {error} on the check's prompt"
             for position, got in rows[state.request_id]:
