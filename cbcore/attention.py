@@ -26,6 +26,7 @@ kwargs.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 import weakref
@@ -107,6 +108,11 @@ def paged_step(step: StepMetadata | None = None) -> Iterator[None]:
         _in_paged_step.step = None
 
 
+def current_step() -> Any:
+    """The step metadata handed to `paged_step()` on this thread (None outside cbcore's steps)."""
+    return getattr(_in_paged_step, "step", None) if in_paged_step() else None
+
+
 def in_paged_step() -> bool:
     """Whether the current thread is inside a cbcore step's forward."""
     return getattr(_in_paged_step, "active", False)
@@ -132,6 +138,9 @@ class StepMetadata:
     prefill_seq_lens_k: torch.Tensor
     # The kernel mode (CBCORE_KERNELS) the engine resolved when it was built; every layer's op calls use it.
     kernel_mode: str = "auto"
+    # Each packed token's position in its request, `[num_tokens]` (cbcore/positions.py hands it to decoders that
+    # compute positions themselves).
+    positions: torch.Tensor | None = None
 
 
 class _ShapeProbe:
@@ -175,10 +184,11 @@ def _probe(model: torch.nn.Module) -> dict[int, tuple[int, int, int]] | None:
         if original != ATTENTION_NAME:
             model.set_attn_implementation(ATTENTION_NAME)
         device = model.device
+        kept = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
         with torch.no_grad(), paged_step(probe):  # type: ignore[arg-type]
             model(input_ids=torch.ones(1, 1, dtype=torch.long, device=device),
                   position_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
-                  use_cache=False, logits_to_keep=1, **{STEP_KWARG: probe})
+                  use_cache=False, **kept, **{STEP_KWARG: probe})
     except Exception:  # noqa: BLE001 - a model this forward cannot drive falls back to its config
         return None
     finally:
@@ -227,8 +237,8 @@ def paged_attention(
     """transformers attention signature: query `[1, heads, T, d]`, key/value `[1, kv_heads, T, d]` / `[1, kv_heads,
     T, d_v]` -> `[1, T, heads, d_v]` (d_v: V's head dim, d unless the model has latent attention)."""
     step: StepMetadata | None = kwargs.pop(STEP_KWARG, None)
-    if step is None and getattr(_in_paged_step, "active", False):
-        step = getattr(_in_paged_step, "step", None)  # a decoder layer dropped the forward's kwargs
+    if step is None:
+        step = current_step()  # a decoder layer dropped the forward's kwargs
     if isinstance(step, _ShapeProbe):
         return step.record(module, query, key, value)
     if step is None:  # not one of cbcore's steps: the model's own implementation (see outside_steps_implementation)

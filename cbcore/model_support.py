@@ -14,8 +14,10 @@ else gives wrong tokens without an error, so it must be refused. Two lines of de
    - `layer_types` entries other than full or sliding-window attention (chunked attention, linear attention, ...);
    - attention modules without a `layer_idx` (a shared block), or fewer/more attention layers than the cache has;
    - a sliding window set in the config but not passed to the attention function (it lives only in the mask);
-   - a forward without `position_ids` (positions computed from a cache length: BART-family decoders), without
-     `logits_to_keep` (Whisper, TrOCR decoders), or whose forward takes no keyword arguments at all.
+   - a forward without `position_ids` whose positions are not computed in a cache-length positional embedding
+     (BART-family decoders are served: cbcore/positions.py hands those modules the step's positions), or whose
+     forward takes no keyword arguments at all. A forward without `logits_to_keep` (Whisper, TrOCR decoders) is
+     served by computing every row's logits.
 2. `self_check(model, ...)`: the safety net for what structure cannot see. A short prompt pair runs through cbcore's
    own paged path (the real `Scheduler`, `ModelRunner`, `PagedKVCache` and kernels, on a throwaway cache: chunked
    prefill, mixed prefill/decode steps, decodes over several pages) and its logits are compared with the model's own
@@ -41,6 +43,7 @@ import torch
 
 from .cache import CacheShape, PagedKVCache
 from .requests import RequestState, RequestStatus
+from .positions import cache_length_position_embeddings
 from .runner import ModelRunner
 from .scheduler import FifoOrder, Scheduler
 from .switches import env_switch
@@ -54,6 +57,10 @@ _STATEFUL_LAYER = re.compile(
     r"Mamba|ShortConv|GatedDeltaNet|DeltaNet|LinearAttention|LightningAttention|RecurrentBlock|Rglru|RGLRU|Rwkv|"
     r"xLSTM|mLSTM|sLSTM|SSM|Ssm|StateSpace|LinearAttn|GatedLinear|Recurrent"
 )
+
+# The names transformers gives a decoder layer's cross-attention module (BART-family and Whisper decoders, BERT-style
+# decoders with add_cross_attention).
+_CROSS_ATTENTION_NAMES = frozenset({"encoder_attn", "crossattention", "cross_attn", "cross_attention"})
 
 # Tolerance of the self-check on logits, relative to the reference's largest |logit| (at least 1): sums in another
 # order (kernels, packed linears) move fp32 logits by ~1e-5 relative and bf16 ones by ~1e-2; a model served wrongly
@@ -124,7 +131,7 @@ def unsupported_reasons(model: torch.nn.Module) -> list[str]:
     return reasons
 
 
-def _language_root(model: torch.nn.Module) -> torch.nn.Module:
+def language_root(model: torch.nn.Module) -> torch.nn.Module:
     """The language model (`get_decoder()`), or the whole model when it has none."""
     try:
         decoder = model.get_decoder()
@@ -137,7 +144,7 @@ def _decoder_layer_modules(model: torch.nn.Module, config) -> Iterator[torch.nn.
     """The modules inside the decoder's layer stack: the language model's module lists with one entry per layer of
     the text config, preferring its direct children (`model.layers`, `transformer.h`) over lists nested in a vision or
     audio tower of the same length; every language-model module when there is no such list."""
-    root = _language_root(model)
+    root = language_root(model)
     num_layers = getattr(config, "num_hidden_layers", None)
     direct = [m for m in root.children() if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers]
     stacks = direct or [m for m in root.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers]
@@ -177,15 +184,16 @@ def _signature_reasons(model: torch.nn.Module) -> list[str]:
     names, takes_kwargs = _parameters(model.forward)
     reasons = []
     # position_ids may also travel through **kwargs to the language model (a multimodal wrapper's forward).
-    root = _language_root(model)
+    root = language_root(model)
     reaches_decoder = takes_kwargs and root is not model and "position_ids" in _parameters(root.forward)[0]
-    if "position_ids" not in names and not reaches_decoder:
+    # A decoder that computes positions from a cache length in its positional embeddings gets the step's positions
+    # there (cbcore/positions.py).
+    positions_hooked = bool(cache_length_position_embeddings(root))
+    if "position_ids" not in names and not reaches_decoder and not positions_hooked:
         reasons.append(
             "its forward takes no position_ids (it computes positions itself, which is wrong for a packed batch of "
             "several requests and for chunked prefill)"
         )
-    if "logits_to_keep" not in names:
-        reasons.append("its forward takes no logits_to_keep (cbcore computes logits only for the rows that emit)")
     if not takes_kwargs:
         reasons.append("its forward takes no **kwargs, so cbcore's step data cannot reach the attention layers")
     return reasons
@@ -205,10 +213,15 @@ def _forward_source(module: torch.nn.Module) -> str:
 
 
 def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """(name, module) of every module in the decoder's layers whose forward attends through `AttentionInterface`."""
+    """(name, module) of every module in the decoder's layers whose forward attends through `AttentionInterface`,
+    cross-attention to an encoder's states excepted: a decoder-only forward never calls it (and cbcore's attention
+    refuses `encoder_hidden_states`; the self-check counts the calls each layer really makes)."""
     config = model.config.get_text_config()
     layers = set(map(id, _decoder_layer_modules(model, config)))
-    return [(n, m) for n, m in model.named_modules() if id(m) in layers and _calls_attention_interface(m)]
+    return [
+        (n, m) for n, m in model.named_modules()
+        if id(m) in layers and _calls_attention_interface(m) and n.rsplit(".", 1)[-1] not in _CROSS_ATTENTION_NAMES
+    ]
 
 
 def _attention_reasons(model: torch.nn.Module, config) -> list[str]:

@@ -3,11 +3,13 @@ step's metadata once, calls the model's own forward with cbcore's attention, and
 
 Packing order: decode rows (one query token per request) first, then prefill rows; the attention function splits the
 batch at `num_decode_tokens`. Logits are computed only for the rows that emit a token (`logits_to_keep` with an index
-tensor), so a chunked prefill that does not reach the end of its prompt costs no LM-head work.
+tensor), so a chunked prefill that does not reach the end of its prompt costs no LM-head work (for a model whose
+forward takes `logits_to_keep`; the others compute every row's and the emitting ones are picked).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,6 +46,9 @@ class ModelRunner:
         self.cache = cache
         self.sampler = sampler
         self.device = cache.device
+        # A forward without `logits_to_keep` (TrOCR, Whisper decoders) computes every row's logits; the emitting
+        # rows are picked afterwards. Exact, at the cost of the LM head over a prefill's every token.
+        self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         # The kernel backend's mode, resolved once for this engine (ops.kernel_mode reads CBCORE_KERNELS).
         self.kernel_mode = ops.kernel_mode()
 
@@ -86,6 +91,7 @@ class ModelRunner:
             prefill_cu_seqlens_q=(cu_q[num_decode:] - num_decode).to(torch.int32).to(device),
             prefill_seq_lens_k=seq_lens[num_decode:].to(device),
             kernel_mode=self.kernel_mode,
+            positions=positions.to(device),
         )
         emitting = [i for i, item in enumerate(ordered) if item.emits_token]
         emit_rows = [int(cu_q[i + 1]) - 1 for i in emitting]
@@ -104,15 +110,15 @@ class ModelRunner:
             step = step_hook(step)
         # logits_to_keep needs at least one row; a step of mid-prompt chunks keeps the last row and discards it.
         rows_to_keep = emit_rows if emit_rows else [input_ids.shape[1] - 1]
+        rows = torch.tensor(rows_to_keep, dtype=torch.long, device=self.device)
+        kept = {"logits_to_keep": rows} if self.takes_logits_to_keep else {}
         with paged_step(step):
             output = self.model(
-                input_ids=input_ids,
-                position_ids=position_ids,
-                use_cache=False,
-                logits_to_keep=torch.tensor(rows_to_keep, dtype=torch.long, device=self.device),
-                **{STEP_KWARG: step},
+                input_ids=input_ids, position_ids=position_ids, use_cache=False, **kept, **{STEP_KWARG: step}
             )
         logits = output.logits[0]
+        if not self.takes_logits_to_keep and logits.shape[0] == input_ids.shape[1]:
+            logits = logits[rows]
         if logits.shape[0] != len(rows_to_keep):
             # A model that ignores logits_to_keep would have every row sampled from the wrong position.
             raise RuntimeError(

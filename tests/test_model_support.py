@@ -83,3 +83,42 @@ def test_the_self_check_can_be_skipped_and_a_bad_value_raises(monkeypatch) -> No
     monkeypatch.setenv(SELF_CHECK_ENV, "maybe")
     with pytest.raises(ValueError, match=SELF_CHECK_ENV):
         model_support.self_check_enabled()
+
+
+def test_a_decoder_computing_its_own_positions_gets_the_steps_positions_only_inside_steps() -> None:
+    """BART's decoder takes no position_ids: its positional embedding gets each step's positions (packed requests,
+    chunked prefill) through a hook that does nothing outside cbcore's steps and is removed when the model is handed
+    back."""
+    model = sweep.build_model("bart")
+    embedding = model.model.decoder.embed_positions
+    prompts = random_prompts([2, 9, 17], seed=5)
+    config = greedy_config(6)
+    want = [reference_tokens(model, p, config) for p in prompts]
+    manager = cbcore.ContinuousBatchingManager(
+        model, config, cbcore.ContinuousBatchingConfig(page_size=4, max_batch_tokens=8))
+    manager.start()
+    try:
+        assert len(embedding._forward_pre_hooks) == 1
+        # The model's own generate while cbcore holds it: the hook leaves its positions alone.
+        assert [reference_tokens(model, p, config) for p in prompts] == want
+        outputs = collect_outputs(manager, manager.add_requests(prompts))
+    finally:
+        manager.stop(block=True, timeout=60)
+    manager.check_invariants()
+    assert [outputs[f"req_{i}"].generated_tokens for i in range(len(prompts))] == want
+    assert not embedding._forward_pre_hooks
+
+
+def test_a_decoder_without_logits_to_keep_is_served_from_every_rows_logits() -> None:
+    model = sweep.build_model("whisper")
+    prompts = random_prompts([1, 12], seed=6)
+    config = greedy_config(5)
+    manager = cbcore.ContinuousBatchingManager(
+        model, config, cbcore.ContinuousBatchingConfig(page_size=4, max_batch_tokens=8))
+    manager.start()
+    try:
+        outputs = collect_outputs(manager, manager.add_requests(prompts))
+    finally:
+        manager.stop(block=True, timeout=60)
+    assert [outputs[f"req_{i}"].generated_tokens for i in range(len(prompts))] == [
+        reference_tokens(model, p, config) for p in prompts]

@@ -1,7 +1,9 @@
 """What cbcore does to a model while it serves it, and undoes after: its attention implementation switched to
-cbcore's paged attention, and on CPU its `nn.Linear` layers given prepacked oneDNN weights (cbcore/linear.py).
+cbcore's paged attention, on CPU its `nn.Linear` layers given prepacked oneDNN weights (cbcore/linear.py), and for
+a decoder that computes positions itself, the step's positions handed to its positional embeddings
+(cbcore/positions.py).
 
-Both act only inside cbcore's steps: outside them the model's own attention and linears run, so the model stays
+All three act only inside cbcore's steps: outside them the model's own attention and linears run, so the model stays
 usable (its `generate`, a training forward) while bound. `EngineCore.step()` refuses to run on an unbound model: the
 forward would ignore the paged cache and give wrong tokens without an error.
 """
@@ -14,6 +16,8 @@ import torch
 
 from .. import attention
 from ..linear import PackedLinears
+from ..model_support import language_root
+from ..positions import StepPositions
 
 
 class ModelBinding:
@@ -26,12 +30,14 @@ class ModelBinding:
         # The implementation the model had before `attach()` (None while detached).
         self.original_attn_implementation: str | None = None
         self._packed_linears: PackedLinears | None = None
+        self._step_positions: StepPositions | None = None
         # Set by attach(), cleared by detach(). Not read off the config: a composite model's top-level config may
         # name another implementation than its language model's.
         self.attached = False
 
     def attach(self) -> None:
-        """Switch the model's attention to cbcore's paged attention and, on CPU, pack its linear layers."""
+        """Switch the model's attention to cbcore's paged attention, on CPU pack its linear layers, and hook the
+        positional embeddings of a decoder that computes positions itself."""
         with self._lock:
             name = attention.register()
             current = self.model.config._attn_implementation
@@ -42,14 +48,19 @@ class ModelBinding:
                 attention.mark_outside_steps_implementation(self.model, current)
             if self._packed_linears is None and self.model.device.type == "cpu":
                 self._packed_linears = PackedLinears.attach(self.model)
+            if self._step_positions is None:
+                self._step_positions = StepPositions.attach(self.model, language_root(self.model))
             self.attached = True
 
     def detach(self) -> None:
-        """Give the model back its own attention implementation and linear layers."""
+        """Give the model back its own attention implementation, linear layers and positional embeddings."""
         with self._lock:
             if self._packed_linears is not None:
                 self._packed_linears.detach()
                 self._packed_linears = None
+            if self._step_positions is not None:
+                self._step_positions.detach()
+                self._step_positions = None
             if self.original_attn_implementation is not None:
                 self.model.set_attn_implementation(self.original_attn_implementation)
                 self.original_attn_implementation = None
