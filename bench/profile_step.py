@@ -1,13 +1,17 @@
 """Where a step's time goes: W1 through cbcore's engine, with each part of a step timed.
 
     python bench/profile_step.py [--workload W1] [--dtype float32] [--threads 2]
+    python bench/profile_step.py --decode-requests 256      # decode steps of 256 requests (16-token prompts)
 
 Runs the workload's requests through the manager's `EngineCore`, stepped in this thread (`EngineCore.step()`, as the
 manager's loop thread runs it) and times, per step: scheduling (`Scheduler.schedule` + `on_step_done`), building the batch
 (`ModelRunner.prepare`), the forward, and sampling; inside the forward: the linear layers, the attention kernels
 (`ops.cache_write`, `decode_attention`, `prefill_attention`) and the rest (norms, RoPE, activations, residuals, and
-transformers' Python between them). Steps are split into decode-only steps and steps with prefill rows. Writes
-`bench/results/profile_<W>_<dtype>.md`.
+transformers' Python between them). Steps are split into decode-only steps and steps with prefill rows. The `host`
+column is the step's host-side work: scheduling, building the batch, and everything around the forward and sampling
+(block copies, advancing the requests, outputs). Writes `bench/results/profile_<W>_<dtype>.md` (with
+`--decode-requests N`: `profile_decode<N>_<dtype>.md`, a workload of N requests of 16-token prompts generating 64
+tokens each, all admitted at once, so its decode steps have N rows).
 """
 
 from __future__ import annotations
@@ -25,13 +29,25 @@ from transformers.generation.continuous_batching.utils import WorkloadHints
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import cbcore  # noqa: E402
-from cbcore.benchmarks.models import model_folder  # noqa: E402
+from cbcore.benchmarks.models import RANDOM_LLAMA, model_folder  # noqa: E402
 from cbcore.benchmarks.peers import generation_config  # noqa: E402
 from cbcore.benchmarks.workloads import build_workload  # noqa: E402
 from cbcore import ops  # noqa: E402
 from cbcore.requests import RequestState  # noqa: E402
 
 PARTS = ("schedule", "prepare", "linear", "attention", "forward_rest", "sample", "other")
+HOST_PARTS = ("schedule", "prepare", "other")  # the step's host-side work around the forward and sampling
+
+
+def decode_workload(base, num_requests: int):
+    """`num_requests` requests of 16-token prompts generating 64 tokens each (named decode<N>)."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = RANDOM_LLAMA["vocab_size"]
+    base.prompts = [torch.randint(1, vocab, (16,), generator=generator).tolist() for _ in range(num_requests)]
+    base.max_new_tokens = 64
+    base.name = f"decode{num_requests}"
+    base.length_distribution = "16-token prompts, 64 new tokens each"
+    return base
 
 
 class Timers:
@@ -61,14 +77,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--decode-requests", type=int, default=None,
+                        help="profile decode steps of this many requests instead of a named workload")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     workload = build_workload(args.workload)
+    if args.decode_requests is not None:
+        workload = decode_workload(workload, args.decode_requests)
     model = AutoModelForCausalLM.from_pretrained(model_folder(workload.model), dtype=getattr(torch, args.dtype)).eval()
     longest = max(len(p) for p in workload.prompts)
     hints = WorkloadHints(max_prompt_length=longest, max_generated_length=workload.max_new_tokens,
                           num_requests=len(workload.prompts))
-    manager = cbcore.ContinuousBatchingManager(model, generation_config(workload), None, hints)
+    config = None
+    if args.decode_requests is not None:  # every request in one step's budget, so decode steps have them all
+        config = cbcore.ContinuousBatchingConfig(max_requests_per_batch=args.decode_requests,
+                                                 max_batch_tokens=16 * args.decode_requests, safety_margin=0.0)
+    manager = cbcore.ContinuousBatchingManager(model, generation_config(workload), config, hints)
     manager.warmup()  # builds the engine this thread steps
     engine = manager.engine
     engine.binding.attach()  # what start() does to the model: cbcore's attention and the packed linears
@@ -80,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def prepare_and_classify(batch):
         timers.kind = "prefill" if any(item.num_tokens > 1 for item in batch.requests) else "decode"
+        timers.current["rows"] += len(batch.requests)
         return prepare(batch)
 
     runner.prepare = prepare_and_classify
@@ -119,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(workload.prompts)} requests, {workload.length_distribution}; {generated} tokens in {wall:.2f} s "
         f"({generated / wall:.0f} tok/s, stepped in the main thread, timers on).",
         "",
-        "| steps | count | ms/step | " + " | ".join(PARTS) + " |",
-        "|---|---:|---:|" + "---:|" * len(PARTS),
+        "| steps | count | requests/step | ms/step | host ms/step | " + " | ".join(PARTS) + " |",
+        "|---|---:|---:|---:|---:|" + "---:|" * len(PARTS),
     ]
     for kind, totals in timers.totals.items():
         count = timers.steps[kind]
@@ -128,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         step_ms = 1000 * sum(totals[p] for p in PARTS) / count
         cells = " | ".join(f"{1000 * totals[p] / count:.1f} ({100 * totals[p] / (step_ms * count / 1000):.0f}%)" for p in PARTS)
-        lines.append(f"| {kind} | {count} | {step_ms:.1f} | {cells} |")
+        host_ms = 1000 * sum(totals[p] for p in HOST_PARTS) / count
+        rows = totals["rows"] / count
+        lines.append(f"| {kind} | {count} | {rows:.0f} | {step_ms:.1f} | {host_ms:.2f} | {cells} |")
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,9 @@ Who holds a block reference (the allocator counts them; `check()` proves the cou
 
 Host blocks of the swap pool are held by swapped-out requests (`RequestState.host_blocks`); see cbcore/swap.py.
 
-The scheduler calls the bookkeeping methods (it decides); the runner reads the tensors (it executes).
+The scheduler calls the bookkeeping methods (it decides); the block copies they imply (a fork's copy-on-write
+block, swaps, host-tier moves) are recorded as block-id pairs, taken into the step's plan by `take_copies()` and
+issued by the runner (it executes), which also reads the tensors.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 
 from ._C import BlockAllocator
 from .attention import probe_kv_shapes
+from .plan import BlockCopies
 from .requests import RequestState
 from .swap import HostSwap
 
@@ -222,8 +225,8 @@ class PagedKVCache:
         self._committed: dict[int, tuple[int, int, tuple[int, ...]]] = {}
         # Hashed blocks whose K/V predates a weight change (block -> its generation then); see invalidate_prefixes.
         self._stale: dict[int, int] = {}
-        # (source, copy) block pairs queued by fork() this step; issued by flush_copies().
-        self._fork_copies: list[tuple[int, int]] = []
+        # The block copies decided while scheduling this step; taken into its plan by take_copies().
+        self._copies = BlockCopies()
 
     def enable_swap(self, num_host_blocks: int) -> None:
         """Attach a host pool of `num_host_blocks` blocks: preempted requests may then be swapped out."""
@@ -239,7 +242,7 @@ class PagedKVCache:
             )
         self.swap = HostSwap(
             shape.num_layers, num_host_blocks, self.page_size, shape.num_kv_heads, shape.head_dim, shape.dtype,
-            self.key_caches, self.value_caches,
+            self.key_caches, self.value_caches, self._copies,
         )
 
     @property
@@ -324,7 +327,7 @@ class PagedKVCache:
 
     def _bring_back_from_host(self, state: RequestState, max_blocks: int) -> None:
         """Extend a device prefix match with blocks the host tier kept: each is copied back into a fresh device
-        block (queued for this step's flush) and hashed again, so it is shared as if it had never left."""
+        block (recorded in this step's copies) and hashed again, so it is shared as if it had never left."""
         page = self.page_size
         tokens = state.all_tokens
         node = self.swap.tier.walk([tuple(tokens[i * page : (i + 1) * page]) for i in range(len(state.block_table))])
@@ -419,7 +422,7 @@ class PagedKVCache:
         if self.blocks_to_fork(parent):
             source = parent.block_table[num_full]
             (copy,) = self._allocate(1)
-            self._fork_copies.append((source, copy))  # copied by flush_copies, with the step's other forks
+            self._copies.device_to_device.append((source, copy))  # issued with the step's other copies
             child.block_table.append(copy)
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_committed_blocks = min(parent.num_committed_blocks, num_full)
@@ -434,7 +437,7 @@ class PagedKVCache:
         )
 
     def swap_out(self, state: RequestState) -> None:
-        """Copy the request's computed blocks to the host (queued for this step's flush) and release its device
+        """Copy the request's computed blocks to the host (recorded in this step's copies) and release its device
         blocks; it keeps `num_computed_tokens` and resumes with `swap_in`."""
         computed_blocks = state.block_table[: self.blocks_for(state.num_computed_tokens)]
         state.host_blocks = self.swap.swap_out(computed_blocks)
@@ -449,19 +452,14 @@ class PagedKVCache:
         self.swap.swap_in(state.host_blocks, state.block_table[: len(state.host_blocks)])
         state.host_blocks = []
 
-    def flush_copies(self) -> None:
-        """Issue this step's queued block copies, before its forward: the forks' copy-on-write blocks first (one
-        batched copy per layer tensor; a child's block must hold its parent's K/V before anything else reads or
-        swaps it out), then the swaps (out, then in: see cbcore/swap.py)."""
-        if self._fork_copies:
-            device = self.key_caches[0].device
-            sources = torch.tensor([s for s, _ in self._fork_copies], dtype=torch.long, device=device)
-            targets = torch.tensor([t for _, t in self._fork_copies], dtype=torch.long, device=device)
-            for cache in self.key_caches + self.value_caches:
-                cache.index_copy_(0, targets, cache.index_select(0, sources))
-            self._fork_copies = []
+    def take_copies(self) -> BlockCopies:
+        """The block copies decided since the last call (this step's), for its plan; the worker issues them before
+        the step's forward. Host blocks read by this step's copies to the device are free from the next step on."""
+        copies = self._copies
+        self._copies = BlockCopies()
         if self.swap is not None:
-            self.swap.flush()
+            self.swap.copies_planned(copies, self._copies)
+        return copies
 
     def release(self, state: RequestState) -> None:
         """Drop the request's references; its computed K/V is forgotten (hashed blocks stay cached until evicted)."""

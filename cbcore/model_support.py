@@ -335,8 +335,10 @@ def _run_self_check(model: torch.nn.Module, reference_attn_implementation: str |
             step.key_caches = _CountingPages(step.key_caches, counts)
             return step
 
+        runner.copy_blocks(batch.copies)
         try:
-            logits, emitted = runner.forward(batch, step_hook=count_calls)
+            logits, indices = runner.forward(batch.plan(), step_hook=count_calls)
+            emitted = [batch.requests[i] for i in indices]
         except Exception as error:  # noqa: BLE001 - whatever breaks in a step means the model is not served exactly
             return f"cbcore's paged forward raised {type(error).__name__}: {error}"
         if counts != [1] * num_layers:

@@ -1,5 +1,6 @@
-"""The runner executes a `ScheduledBatch`: packs every scheduled token into one padding-free sequence, builds the
-step's metadata once, calls the model's own forward with cbcore's attention, and samples the emitting rows.
+"""The runner executes a step's plan (cbcore/plan.py): issues its block copies, packs every planned token into one
+padding-free sequence, builds the step's metadata once, calls the model's own forward with cbcore's attention, and
+samples the emitting rows.
 
 Packing order: decode rows (one query token per request) first, then prefill rows; the attention function splits the
 batch at `num_decode_tokens`. Logits are computed only for the rows that emit a token (`logits_to_keep` with an index
@@ -19,6 +20,7 @@ from . import ops
 from .attention import STEP_KWARG, StepMetadata, paged_step
 from .cache import PagedKVCache
 from .sampling import SEED_KWARG, Sampler
+from .plan import BlockCopies, PlannedRequest, StepPlan
 from .scheduler import ScheduledBatch, ScheduledRequest
 
 
@@ -31,11 +33,11 @@ class StepResult:
     logprobs: list[float] | None
 
 
-def _block_table_tensor(items: list[ScheduledRequest], device: torch.device) -> torch.Tensor:
-    """`[len(items), max_blocks]` int32 block table; padding is block 0, never read past a request's length."""
-    width = max((len(item.state.block_table) for item in items), default=1)
-    rows = [item.state.block_table + [0] * (width - len(item.state.block_table)) for item in items]
-    return torch.tensor(rows, dtype=torch.int32, device=device).view(len(items), width)
+def _block_table_tensor(requests: list[PlannedRequest], device: torch.device) -> torch.Tensor:
+    """`[len(requests), max_blocks]` int32 block table; padding is block 0, never read past a request's length."""
+    width = max((len(request.block_table) for request in requests), default=1)
+    rows = [request.block_table + (0,) * (width - len(request.block_table)) for request in requests]
+    return torch.tensor(rows, dtype=torch.int32, device=device).view(len(requests), width)
 
 
 class ModelRunner:
@@ -52,19 +54,40 @@ class ModelRunner:
         # The kernel backend's mode, resolved once for this engine (ops.kernel_mode reads CBCORE_KERNELS).
         self.kernel_mode = ops.kernel_mode()
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, StepMetadata, list[int], list[ScheduledRequest]]:
-        """Build input ids, positions, the step metadata and the emitting rows for `batch`."""
-        decode = [item for item in batch.requests if item.num_tokens == 1]
-        prefill = [item for item in batch.requests if item.num_tokens > 1]
-        ordered = decode + prefill
+    def copy_blocks(self, copies: BlockCopies) -> None:
+        """Issue a step's block copies before its forward, one batched call per direction (see cbcore/plan.py for
+        the order): copy-on-write blocks with one index copy per layer tensor, swaps through the host pool."""
+        if copies.device_to_device:
+            sources = torch.tensor([s for s, _ in copies.device_to_device], dtype=torch.long, device=self.device)
+            targets = torch.tensor([t for _, t in copies.device_to_device], dtype=torch.long, device=self.device)
+            for pages in self.cache.key_caches + self.cache.value_caches:
+                pages.index_copy_(0, targets, pages.index_select(0, sources))
+        if not (copies.device_to_host or copies.host_to_device):
+            return
+        pool = self.cache.swap.pool
+        keys, values = self.cache.key_caches, self.cache.value_caches
+        if copies.device_to_host:
+            device_blocks, host_blocks = zip(*copies.device_to_host)
+            pool.swap_out(keys, values, list(device_blocks), list(host_blocks))
+        if copies.host_to_device:
+            host_blocks, device_blocks = zip(*copies.host_to_device)
+            pool.swap_in(keys, values, list(host_blocks), list(device_blocks))
+        pool.wait_on_current_stream()  # the forward reads the blocks swapped in
+
+    def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, StepMetadata, list[int], list[int]]:
+        """Build input ids, positions, the step metadata, the emitting rows and the indices (in `plan.requests`) of
+        the requests they belong to."""
+        decode = [i for i, request in enumerate(plan.requests) if request.num_tokens == 1]
+        prefill = [i for i, request in enumerate(plan.requests) if request.num_tokens > 1]
+        order = decode + prefill
+        ordered = [plan.requests[i] for i in order]
 
         token_ids: list[int] = []
-        for item in ordered:
-            start = item.state.num_computed_tokens
-            token_ids.extend(item.state.all_tokens[start : start + item.num_tokens])
+        for request in ordered:
+            token_ids.extend(request.token_ids)
         device = self.device
-        q_lens = torch.tensor([item.num_tokens for item in ordered], dtype=torch.long)
-        starts = torch.tensor([item.state.num_computed_tokens for item in ordered], dtype=torch.long)
+        q_lens = torch.tensor([request.num_tokens for request in ordered], dtype=torch.long)
+        starts = torch.tensor([request.start for request in ordered], dtype=torch.long)
         cu_q = torch.zeros(len(ordered) + 1, dtype=torch.long)
         torch.cumsum(q_lens, 0, out=cu_q[1:])
         num_tokens = int(cu_q[-1])
@@ -93,19 +116,20 @@ class ModelRunner:
             kernel_mode=self.kernel_mode,
             positions=positions.to(device),
         )
-        emitting = [i for i, item in enumerate(ordered) if item.emits_token]
+        emitting = [i for i, request in enumerate(ordered) if request.emits_token]
         emit_rows = [int(cu_q[i + 1]) - 1 for i in emitting]
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=device)
-        return input_ids, positions.view(1, -1).to(device), step, emit_rows, [ordered[i] for i in emitting]
+        return input_ids, positions.view(1, -1).to(device), step, emit_rows, [order[i] for i in emitting]
 
     @torch.inference_mode()
     def forward(
-        self, batch: ScheduledBatch, step_hook: Callable[[StepMetadata], StepMetadata] | None = None
-    ) -> tuple[torch.Tensor | None, list[ScheduledRequest]]:
-        """Run the model's forward over `batch`: the logits `[len(emitted), vocab]` of the emitting rows (None when
-        no row emits) and the requests they belong to. `step_hook` may wrap the step metadata before the forward
-        (the start-up self-check counts attention calls through it, cbcore/model_support.py)."""
-        input_ids, position_ids, step, emit_rows, emitted = self.prepare(batch)
+        self, plan: StepPlan, step_hook: Callable[[StepMetadata], StepMetadata] | None = None
+    ) -> tuple[torch.Tensor | None, list[int]]:
+        """Run the model's forward over `plan`'s requests: the logits `[len(emitted), vocab]` of the emitting rows
+        (None when no row emits) and the indices in `plan.requests` of the requests they belong to. The plan's block
+        copies must have been issued (`copy_blocks`). `step_hook` may wrap the step metadata before the forward (the
+        start-up self-check counts attention calls through it, cbcore/model_support.py)."""
+        input_ids, position_ids, step, emit_rows, emitted = self.prepare(plan)
         if step_hook is not None:
             step = step_hook(step)
         # logits_to_keep needs at least one row; a step of mid-prompt chunks keeps the last row and discards it.
@@ -139,8 +163,10 @@ class ModelRunner:
         return state.sampling_generator
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
-        """Run one forward over `batch` and sample a token for every request that emits one."""
-        logits, emitted = self.forward(batch)
+        """Run one forward over `batch`'s plan and sample a token for every request that emits one (its block
+        copies issued before, by `copy_blocks`)."""
+        logits, indices = self.forward(batch.plan())
+        emitted = [batch.requests[i] for i in indices]
         if not emitted:
             return StepResult([], [], None)
         generators = [self._generator_of(item.state) for item in emitted]

@@ -1,7 +1,8 @@
 """Scheduling: which requests run this step, how many tokens each, and which blocks they get.
 
 The scheduler decides and touches no tensors. Its output, a `ScheduledBatch`, says for each request how many of its
-uncomputed tokens run this step; the runner turns that into tensors. A prefill chunk, the rest of a prompt after a
+uncomputed tokens run this step, and lists the step's block copies; `ScheduledBatch.plan()` turns it into the
+`StepPlan` of ids and ints (cbcore/plan.py) that the runner turns into tensors. A prefill chunk, the rest of a prompt after a
 prefix-cache hit, a decode step and the recompute of a preempted request are all "run the next n tokens".
 
 Budgets per step: query tokens (`max_batch_tokens`, long prompts are split: chunked prefill), requests
@@ -23,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .cache import PagedKVCache
+from .plan import BlockCopies, PlannedRequest, StepPlan
 from .requests import RequestState, RequestStatus, child_request_id
 from .sampling import SEED_KWARG
 
@@ -53,11 +55,25 @@ class ScheduledBatch:
     forked: list[RequestState] = field(default_factory=list)
     # Requests that cannot go on, with the reason (they end FAILED).
     failed: list[tuple[RequestState, str]] = field(default_factory=list)
+    # The block copies the decisions imply, issued by the worker before the step's forward.
+    copies: BlockCopies = field(default_factory=BlockCopies)
 
     @property
     def num_tokens(self) -> int:
         """Query tokens in the step."""
         return sum(item.num_tokens for item in self.requests)
+
+    def plan(self) -> StepPlan:
+        """The step in ids and ints: what the worker executes (read before the requests advance)."""
+        requests = []
+        for item in self.requests:
+            state = item.state
+            start = state.num_computed_tokens
+            requests.append(PlannedRequest(
+                state.request_id, tuple(state.all_tokens[start : start + item.num_tokens]), start,
+                tuple(state.block_table), item.emits_token,
+            ))
+        return StepPlan(requests, self.copies)
 
 
 class SchedulingOrder:
@@ -176,6 +192,7 @@ class Scheduler:
             token_budget -= num_tokens
 
         self._admit_waiting(batch, token_budget, scheduled)
+        batch.copies = self.cache.take_copies()
         return batch
 
     def _admit_waiting(self, batch: ScheduledBatch, token_budget: int, scheduled: set[int]) -> None:

@@ -3,10 +3,10 @@ instead of being recomputed (`cpu_offload_space > 0`). Works on a machine withou
 CUDA is present).
 
 The copies themselves are `cbcore._C.SwapPool` (csrc/swap): many blocks across all layers in one call per direction.
-This module owns the host block ids and batches the copies of a step: the scheduler queues swap-outs and swap-ins
-while it decides, and `flush()` issues them once, before the step's forward (swap-outs first, so a device block freed
-by a swap-out can receive a swap-in in the same step; host blocks emptied by a swap-in are reused only from the next
-step on, so a swap-out can never overwrite a host block that is still being read).
+This module owns the host block ids: the scheduler's swap-outs and swap-ins are recorded as block-id pairs in the
+step's `BlockCopies` (cbcore/plan.py), which the worker issues once, before the step's forward (swap-outs first, so a
+device block freed by a swap-out can receive a swap-in in the same step). Host blocks emptied by a swap-in are reused
+only from the next step on, so a swap-out can never overwrite a host block that is still being read.
 
 Who holds a host block:
 
@@ -30,6 +30,7 @@ import torch
 
 from ._C import SwapPool
 from .host_tier import HostTier
+from .plan import BlockCopies
 
 GIB = 2**30
 
@@ -74,7 +75,7 @@ class SwapPolicy:
 
 
 class HostSwap:
-    """Host block ids, the batched copies of one step, and the swap counters."""
+    """Host block ids, the host pool they index, the host tier, and the swap counters."""
 
     def __init__(
         self,
@@ -86,6 +87,7 @@ class HostSwap:
         dtype: torch.dtype,
         key_caches: list[torch.Tensor],
         value_caches: list[torch.Tensor],
+        copies: BlockCopies,
     ) -> None:
         self.pool = SwapPool(num_layers, num_host_blocks, page_size, num_kv_heads, head_dim, dtype, None)
         self.num_host_blocks = num_host_blocks
@@ -93,8 +95,7 @@ class HostSwap:
         self._key_caches = key_caches
         self._value_caches = value_caches
         self._free: list[int] = list(range(num_host_blocks - 1, -1, -1))
-        self._out: tuple[list[int], list[int]] = ([], [])  # (device ids, host ids) queued this step
-        self._in: tuple[list[int], list[int]] = ([], [])  # (host ids, device ids) queued this step
+        self._copies = copies  # this step's copies, shared with the cache (see copies_planned)
         self.bytes_per_block = self.pool.nbytes // num_host_blocks
         self.counters = {"swap_outs": 0, "swap_ins": 0, "swap_bytes_out": 0, "swap_bytes_in": 0}
         self.tier = HostTier()  # evicted prefix blocks kept in host blocks that swap does not use
@@ -106,26 +107,25 @@ class HostSwap:
         return len(self._free) + self.tier.num_blocks
 
     def swap_out(self, device_blocks: list[int]) -> list[int]:
-        """Queue copies of these device blocks into fresh host blocks; returns the host ids (the caller may release
-        the device blocks at once: nothing runs on them before this step's `flush`)."""
+        """Record copies of these device blocks into fresh host blocks; returns the host ids (the caller may release
+        the device blocks at once: nothing runs on them before this step's copies)."""
         if len(self._free) < len(device_blocks):
             self._free.extend(self._reclaim_from_tier(len(device_blocks) - len(self._free)))
         host_blocks = [self._free.pop() for _ in device_blocks]
-        self._out[0].extend(device_blocks)
-        self._out[1].extend(host_blocks)
+        self._copies.device_to_host.extend(zip(device_blocks, host_blocks))
         self.counters["swap_outs"] += 1
         self.counters["swap_bytes_out"] += len(device_blocks) * self.bytes_per_block
         return host_blocks
 
     def swap_in(self, host_blocks: list[int], device_blocks: list[int]) -> None:
-        """Queue copies of these host blocks into these device blocks; the host blocks are free after the flush."""
-        self._in[0].extend(host_blocks)
-        self._in[1].extend(device_blocks)
+        """Record copies of these host blocks into these device blocks; the host blocks are free from the next
+        step on."""
+        self._copies.host_to_device.extend(zip(host_blocks, device_blocks))
         self.counters["swap_ins"] += 1
         self.counters["swap_bytes_in"] += len(host_blocks) * self.bytes_per_block
 
     def keep_in_tier(self, device_block: int, path: list[tuple[int, ...]]) -> bool:
-        """Queue a copy of an evicted prefix block into a host block of the tier (a free one, else the tier's least
+        """Record a copy of an evicted prefix block into a host block of the tier (a free one, else the tier's least
         recently used one); False when it is kept already or the pool has no block to spare."""
         node = self.tier.walk(path)
         if node is not None and node.host_block is not None:
@@ -138,41 +138,32 @@ class HostSwap:
             if not reclaimed:
                 return False
             host_block = reclaimed[0]
-        self._out[0].append(device_block)
-        self._out[1].append(host_block)
+        self._copies.device_to_host.append((device_block, host_block))
         self.tier.keep(path, host_block)
         return True
 
     def bring_back(self, host_block: int, device_block: int) -> None:
-        """Queue the copy of a tier block back to the device; the host block is free after the step's flush."""
-        self._in[0].append(host_block)
-        self._in[1].append(device_block)
+        """Record the copy of a tier block back to the device; the host block is free from the next step on."""
+        self._copies.host_to_device.append((host_block, device_block))
 
     def _reclaim_from_tier(self, count: int) -> list[int]:
-        """Host blocks taken back from the tier; a copy into one of them still queued this step is dropped, so no
-        host block is written twice in one batched copy."""
+        """Host blocks taken back from the tier; a copy into one of them recorded this step is dropped, so no host
+        block is written twice in one batched copy."""
         reclaimed = self.tier.reclaim(count)
-        if reclaimed and self._out[1]:
+        if reclaimed and self._copies.device_to_host:
             dropped = set(reclaimed)
-            kept = [(d, h) for d, h in zip(*self._out) if h not in dropped]
-            self._out = ([d for d, _ in kept], [h for _, h in kept])
+            self._copies.device_to_host = [(d, h) for d, h in self._copies.device_to_host if h not in dropped]
         return reclaimed
 
     def release(self, host_blocks: Iterable[int]) -> None:
         """Give back the host blocks of a request that ended while swapped out."""
         self._free.extend(host_blocks)
 
-    def flush(self) -> None:
-        """Issue the step's copies (one call per direction) and order the step's forward after them."""
-        if self._out[0]:
-            self.pool.swap_out(self._key_caches, self._value_caches, self._out[0], self._out[1])
-        if self._in[0]:
-            self.pool.swap_in(self._key_caches, self._value_caches, self._in[0], self._in[1])
-        if self._out[0] or self._in[0]:
-            self.pool.wait_on_current_stream()
-        self._free.extend(self._in[0])
-        self._out = ([], [])
-        self._in = ([], [])
+    def copies_planned(self, copies: BlockCopies, next_copies: BlockCopies) -> None:
+        """This step's copies went into its plan (the worker issues them before the forward): the host blocks its
+        copies to the device read are free for the next step, whose copies are recorded in `next_copies`."""
+        self._free.extend(host for host, _ in copies.host_to_device)
+        self._copies = next_copies
 
     def check(self, holders: dict[int, int]) -> None:
         """Every host block is free, held by exactly one swapped-out request, or kept by the host tier; never two."""

@@ -4,6 +4,7 @@ mechanism through `add_request` / `abort` / `step()` and checks the outputs thos
 from __future__ import annotations
 
 import pytest
+import torch
 from transformers import GenerationConfig
 
 import cbcore
@@ -153,3 +154,46 @@ def test_the_kernel_mode_is_resolved_once_when_the_engine_is_built(monkeypatch: 
     engine.add_request(request(0, prompt, 4))
     finals = run_to_the_end(engine)
     assert finals["req_0"].generated_tokens == reference_tokens(model, prompt, greedy_config(4))
+
+
+def _ids_and_ints(value) -> bool:
+    """Whether `value` is built of strings, ints, bools and tuples/lists of them only (no tensor, no live object)."""
+    if isinstance(value, (str, int, bool)):
+        return True
+    if isinstance(value, (tuple, list)):
+        return all(_ids_and_ints(v) for v in value)
+    return False
+
+
+def test_the_plan_is_ids_and_ints_and_its_copies_wait_for_the_worker() -> None:
+    """schedule() decides a fork's copy-on-write block and a swap-out as block-id pairs in the step's plan; no
+    tensor changes until the runner issues them (copy_blocks), and every plan field is an id or an int."""
+    import dataclasses
+
+    model = tiny_model("llama_gqa")
+    config = GenerationConfig(max_new_tokens=6, do_sample=True, top_k=1, num_return_sequences=2, pad_token_id=0)
+    engine = engine_for(model, config, page_size=4, num_blocks=12, max_batch_tokens=64, cpu_offload_space=0.01)
+    for index, prompt in enumerate(random_prompts([10, 9, 11], seed=75)):
+        engine.add_request(request(index, prompt, 6, num_children=1))
+    seen = {"device_to_device": 0, "device_to_host": 0, "copied_by_the_worker": 0}
+    while engine.has_work():
+        batch = engine.scheduler.schedule()
+        plan = batch.plan()
+        for planned in plan.requests:
+            assert all(_ids_and_ints(getattr(planned, f.name)) for f in dataclasses.fields(planned))
+        for direction in ("device_to_device", "device_to_host", "host_to_device"):
+            assert _ids_and_ints(getattr(plan.copies, direction))
+        keys = engine.cache.key_caches[0]
+        pairs = plan.copies.device_to_device
+        seen["copied_by_the_worker"] += sum(not torch.equal(keys[s], keys[t]) for s, t in pairs)
+        engine.runner.copy_blocks(plan.copies)
+        assert all(torch.equal(keys[s], keys[t]) for s, t in pairs)
+        for direction in ("device_to_device", "device_to_host"):
+            seen[direction] += len(getattr(plan.copies, direction))
+        for state in batch.filled_the_cache:
+            engine._end(state, RequestStatus.FINISHED)
+        if batch.requests:
+            engine.update_from_output(batch, [engine.runner.execute(batch)])
+    engine.check()
+    # Forks and swap-outs happened, and the forks' blocks differed from their sources until the worker copied them.
+    assert seen["device_to_device"] > 0 and seen["device_to_host"] > 0 and seen["copied_by_the_worker"] > 0, seen

@@ -1,4 +1,5 @@
-"""`EngineCore`: one step at a time, no threads. `step()` = schedule → run the batch → advance the requests.
+"""`EngineCore`: one step at a time, no threads. `step()` = schedule (a `ScheduledBatch` and its `StepPlan` of ids
+and ints) → the runner issues the plan's block copies and runs it → `update_from_output` advances the requests.
 
 The core owns the cache, the scheduler and the runner. It is driven by the manager's loop thread, and directly by
 tests and the profiler. Every call returns the outputs it produced (streaming snapshots and terminal outputs), in
@@ -26,7 +27,7 @@ from transformers.generation.continuous_batching.utils import WorkloadHints
 from ..cache import CacheShape, PagedKVCache
 from ..config import ContinuousBatchingConfig
 from ..requests import GenerationOutput, RequestState, RequestStatus, child_request_id
-from ..runner import ModelRunner
+from ..runner import ModelRunner, StepResult
 from ..sampling import LogitsProcessorSwitch, Sampler
 from ..scheduler import SCHEDULING_ORDERS, ScheduledBatch, ScheduledRequest, Scheduler
 from ..swap import plan_num_host_blocks
@@ -221,7 +222,9 @@ class EngineCore:
         for state, reason in batch.failed:
             state.error = f"request {state.request_id}: {reason}"
             outputs += self._end(state, RequestStatus.FAILED)
-        self.cache.flush_copies()  # forks' copy-on-write blocks and swaps, one batched call each, before the forward
+        # Forks' copy-on-write blocks, swaps and host-tier moves, one batched call per direction, before the forward
+        # (also in a step that runs nothing: a swap-out must land before its device blocks are reused).
+        self.runner.copy_blocks(batch.copies)
         if not batch.requests:
             return outputs
         started = time.perf_counter()
@@ -233,11 +236,17 @@ class EngineCore:
             self.cache.swap.policy.observe_prefill(batch.num_tokens, time.perf_counter() - started)
         failed = {id(item) for item, _ in failures}
         succeeded = [item for item in batch.requests if id(item) not in failed]
-        if not succeeded:
-            return outputs
-        done = ScheduledBatch(requests=succeeded)
-        self._account(done)
-        self.scheduler.on_step_done(done)
+        if succeeded:
+            outputs += self.update_from_output(ScheduledBatch(requests=succeeded), results)
+        return outputs
+
+    def update_from_output(self, batch: ScheduledBatch, results: list[StepResult]) -> list[GenerationOutput]:
+        """The one place that advances requests after a step: counters, computed tokens and full blocks committed
+        to the prefix cache (the scheduler's `on_step_done`), sampled tokens appended, finished requests ended and
+        freed; returns the outputs (streaming snapshots, terminal outputs)."""
+        outputs: list[GenerationOutput] = []
+        self._account(batch)
+        self.scheduler.on_step_done(batch)
         for result in results:
             logprobs = result.logprobs or [None] * len(result.tokens)
             for item, token, logprob in zip(result.emitted, result.tokens, logprobs):

@@ -1,0 +1,61 @@
+"""The step plan: what the scheduler decided, in ids and ints only, for the worker to execute.
+
+`Scheduler.schedule()` decides on `RequestState`s (its own records) and hands the worker a `StepPlan`: per request
+the tokens to run, the position of the first, the blocks it holds and whether its last row emits a token; plus the
+step's block copies as block-id pairs. Nothing in a plan is a tensor or a live object, so it is what a tensor-parallel
+driver broadcasts to the other ranks, and what a compiled or graph-captured step is built from.
+
+Block copies are decided while scheduling (a fork's copy-on-write block, a preempted request's swap-out, a resumed
+one's swap-in, a prefix block kept in or brought back from the host tier) and issued by the worker in one batched call
+per direction before the step's forward (`ModelRunner.copy_blocks`), in this order: device to device first (a child's
+block must hold its parent's K/V before anything reads or swaps it out), then device to host, then host to device (so
+a device block freed by a swap-out can receive a swap-in in the same step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class BlockCopies:
+    """One step's block copies as (source, destination) block-id pairs, by direction."""
+
+    # Copy-on-write: a forked child's copy of its parent's partial last block.
+    device_to_device: list[tuple[int, int]] = field(default_factory=list)
+    # (device block, host block): swap-outs of preempted requests, prefix blocks kept in the host tier.
+    device_to_host: list[tuple[int, int]] = field(default_factory=list)
+    # (host block, device block): swap-ins of resumed requests, host-tier blocks brought back on a prefix hit.
+    host_to_device: list[tuple[int, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.device_to_device or self.device_to_host or self.host_to_device)
+
+
+@dataclass(frozen=True)
+class PlannedRequest:
+    """One request's share of a step: run `token_ids` at positions `start, start + 1, ...` over `block_table`."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start: int  # the position of token_ids[0]: the tokens the request has computed so far
+    block_table: tuple[int, ...]
+    emits_token: bool  # the last row reaches the end of the request's known tokens: it yields the next token
+
+    @property
+    def num_tokens(self) -> int:
+        """Query tokens of this request in the step."""
+        return len(self.token_ids)
+
+
+@dataclass
+class StepPlan:
+    """Everything the worker needs to run one step: the requests in the order the scheduler chose, and the copies."""
+
+    requests: list[PlannedRequest] = field(default_factory=list)
+    copies: BlockCopies = field(default_factory=BlockCopies)
+
+    @property
+    def num_tokens(self) -> int:
+        """Query tokens in the step."""
+        return sum(request.num_tokens for request in self.requests)
