@@ -32,7 +32,7 @@ import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -141,6 +141,8 @@ class StepMetadata:
     # Each packed token's position in its request, `[num_tokens]` (cbcore/positions.py hands it to decoders that
     # compute positions themselves).
     positions: torch.Tensor | None = None
+    # The kernels' plans for this step, made by the first layer's calls and reused by the others (cbcore/ops.py).
+    kernel_plans: ops.StepKernelPlans = field(default_factory=ops.StepKernelPlans)
 
 
 class _ShapeProbe:
@@ -265,26 +267,18 @@ def paged_attention(
     mode = step.kernel_mode
     ops.cache_write(k, v, k_cache, v_cache, step.slot_mapping, mode)
 
+    # The kernels write their rows of the output in place; their plans are the step's, made by the first layer.
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
     num_decode = step.num_decode_tokens
     if num_decode:
-        out[:num_decode] = ops.decode_attention(
+        ops.decode_attention(
             q[:num_decode], k_cache, v_cache, step.decode_block_table, step.decode_seq_lens, scale, window, softcap,
-            sinks, mode,
+            sinks, mode, step.kernel_plans, out[:num_decode],
         )
     if step.num_prefill_requests:
-        out[num_decode:] = ops.prefill_attention(
-            q[num_decode:],
-            k_cache,
-            v_cache,
-            step.prefill_block_table,
-            step.prefill_cu_seqlens_q,
-            step.prefill_seq_lens_k,
-            scale,
-            window,
-            softcap,
-            sinks,
-            mode,
+        ops.prefill_attention(
+            q[num_decode:], k_cache, v_cache, step.prefill_block_table, step.prefill_cu_seqlens_q,
+            step.prefill_seq_lens_k, scale, window, softcap, sinks, mode, step.kernel_plans, out[num_decode:],
         )
     return out.unsqueeze(0), None
 

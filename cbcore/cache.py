@@ -220,11 +220,6 @@ class PagedKVCache:
             self.value_caches.append(torch.zeros((num_blocks, page_size, heads, v_dim), dtype=shape.dtype, device=device))
         self.allocator = BlockAllocator(num_blocks, page_size)
         self.swap: HostSwap | None = None
-        # What each hashed block was committed under: block -> (parent block, parent's generation then, tokens). Lets
-        # the host tier rebuild an evicted block's whole prefix, and only while every link is still current.
-        self._committed: dict[int, tuple[int, int, tuple[int, ...]]] = {}
-        # Hashed blocks whose K/V predates a weight change (block -> its generation then); see invalidate_prefixes.
-        self._stale: dict[int, int] = {}
         # The block copies decided while scheduling this step; taken into its plan by take_copies().
         self._copies = BlockCopies()
 
@@ -262,31 +257,16 @@ class PagedKVCache:
     # ---- weights changed ---------------------------------------------------------------------------------------
 
     def invalidate_prefixes(self) -> int:
-        """The model's weights changed: no K/V computed before may be shared from now on. Hashed blocks nobody holds
-        are evicted, the host tier is emptied, and the hashed blocks that running requests still hold are marked
-        stale (by block id and generation, so a block is fresh again once recycled): a prefix match stops before
-        the first stale block, and a block chained on a stale one is never committed. Requests already running
-        keep their own K/V (as in transformers). Returns the number of blocks dropped or marked."""
+        """The model's weights changed: no K/V computed before may be shared from now on. The allocator forgets
+        every cached prefix (unused hashed blocks are freed; hashed blocks running requests hold are unhashed, so
+        no prefix match reaches them and no block is ever committed chained on them) and the host tier is emptied.
+        Requests already running keep their own K/V (as in transformers). Returns the number of blocks forgotten."""
         if not self.allow_prefix_sharing:
             return 0
-        dropped = self.allocator.num_cached_unused
-        self.allocator.evict(dropped)
-        for block in self._committed:
-            if self.allocator.is_cached(block):  # still hashed, so held by a running request
-                self._stale[block] = self.allocator.generation(block)
-        self._committed.clear()
+        forgotten = self.allocator.forget_prefixes()
         if self.swap is not None:
             self.swap.release(self.swap._reclaim_from_tier(self.swap.tier.num_blocks))
-        return dropped + len(self._stale)
-
-    def _is_stale(self, block: int) -> bool:
-        generation = self._stale.get(block)
-        if generation is None:
-            return False
-        if generation != self.allocator.generation(block):  # recycled since: fresh K/V
-            del self._stale[block]
-            return False
-        return True
+        return forgotten
 
     # ---- bookkeeping called by the scheduler -------------------------------------------------------------------
 
@@ -300,10 +280,7 @@ class PagedKVCache:
         max_blocks = (state.num_tokens - 1) // self.page_size
         if max_blocks <= 0:
             return PrefixHit((), 0, 0)
-        blocks = self.allocator.peek_prefix(state.all_tokens, max_blocks)
-        # K/V computed before a weight change is shared only up to the first stale block.
-        fresh = next((i for i, block in enumerate(blocks) if self._is_stale(block)), len(blocks))
-        blocks = tuple(blocks[:fresh])
+        blocks = tuple(self.allocator.peek_prefix(state.all_tokens, max_blocks))
         unused = sum(1 for block in blocks if self.allocator.refcount(block) == 0)
         lookups = min(len(blocks) + 1, max_blocks)  # every hit, and the miss that ended the walk
         return PrefixHit(blocks, unused, lookups)
@@ -341,7 +318,7 @@ class PagedKVCache:
             (device_block,) = self._allocate(1)
             self.swap.bring_back(host_block, device_block)
             parent = state.block_table[-1] if state.block_table else -1
-            self._commit(device_block, parent, block_tokens)
+            self.allocator.commit(device_block, parent, list(block_tokens))
             state.block_table.append(device_block)
             state.num_committed_blocks += 1
             node = child
@@ -353,37 +330,12 @@ class PagedKVCache:
         if self.swap is not None and shortfall > 0:
             victims = self.allocator.least_recently_used(shortfall)
             for victim in victims:
-                path = None if self._is_stale(victim) else self._prefix_path(victim)
-                if path is not None:
+                # The whole prefix's tokens, from the allocator's own chain (empty when a link changed since).
+                path = [tuple(tokens) for tokens in self.allocator.prefix_path(victim)]
+                if path:
                     self.swap.keep_in_tier(victim, path)
             self.allocator.evict(len(victims))
         return self.allocator.allocate(count)
-
-    def _commit(self, block: int, parent: int, tokens: tuple[int, ...]) -> bool:
-        if parent >= 0 and self._is_stale(parent):
-            # Its K/V attended to K/V of the old weights: as stale as its parent, so never offered for sharing.
-            self._stale[block] = self.allocator.generation(block)
-            return False
-        committed = self.allocator.commit(block, parent, list(tokens))
-        if committed:
-            parent_generation = self.allocator.generation(parent) if parent >= 0 else 0
-            self._committed[block] = (parent, parent_generation, tokens)
-        return committed
-
-    def _prefix_path(self, block: int) -> list[tuple[int, ...]] | None:
-        """The tokens of every block from the root to `block`, or None if a link changed since it was committed."""
-        path = []
-        current = block
-        while current != -1:
-            entry = self._committed.get(current)
-            if entry is None or not self.allocator.is_cached(current):
-                return None
-            parent, parent_generation, tokens = entry
-            if parent != -1 and self.allocator.generation(parent) != parent_generation:
-                return None
-            path.append(tokens)
-            current = parent
-        return path[::-1]
 
     def can_grow(self, state: RequestState, num_tokens: int) -> bool:
         """Whether the request's block table can cover `num_tokens` tokens (evicting unused cached blocks if needed)."""
@@ -404,7 +356,7 @@ class PagedKVCache:
         page = self.page_size
         for index in range(state.num_committed_blocks, num_full):
             parent = state.block_table[index - 1] if index else -1
-            self._commit(state.block_table[index], parent, tuple(state.all_tokens[index * page : (index + 1) * page]))
+            self.allocator.commit(state.block_table[index], parent, state.all_tokens[index * page : (index + 1) * page])
         state.num_committed_blocks = max(state.num_committed_blocks, num_full)
 
     def blocks_to_fork(self, parent: RequestState) -> int:

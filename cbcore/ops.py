@@ -35,6 +35,12 @@ caches, q in the cache's dtype and head dims (K's and V's) multiples of 8; the C
 pages of one shape, Triton prefill any fp32/bf16/fp16 shape (k/v are converted to the cache's dtype first, as the
 reference does).
 
+Plan once per step, run per layer: a step's block tables and lengths are the same for every layer, so the C++ CPU
+kernels take a plan (the work split, and the validation of every block-table entry) built on the first layer's call
+and reused by every other (`StepKernelPlans`, one per step in its `StepMetadata`; keyed by the op, the sliding window
+and the head shape, which may differ between layers). The planned kernels write into the caller's output (`out=`);
+the other backends' results are copied into it.
+
 `CBCORE_KERNELS=reference` runs the references everywhere. `cpu`, `cuda` and `triton` force one backend for the ops it
 implements (cpu: all three on CPU tensors; cuda: cache_write and decode on CUDA tensors; triton: prefill, on CUDA
 tensors or anywhere under TRITON_INTERPRET=1) and raise instead of falling back, so a test knows the kernel it meant
@@ -110,6 +116,49 @@ def available_backends() -> dict[str, str | None]:
         "triton": "cbcore.triton_kernels.prefill" if triton_prefill is not None else None,
         "reference": "plain torch (cbcore.ops.*_reference)",
     }
+
+
+class StepKernelPlans:
+    """The CPU kernels' plans of one step: built on first use (the first layer), reused by every layer after it."""
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple, object] = {}
+
+    def decode(self, block_table: torch.Tensor, seq_lens: torch.Tensor, k_cache: torch.Tensor, heads: int,
+               window: int) -> object:
+        """The `cbcore._C.DecodePlan` of this step for a window and head shape."""
+        key = ("decode", window, heads, k_cache.shape[2])
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = _cpu_kernels().plan_decode(
+                block_table, seq_lens, k_cache.shape[0], k_cache.shape[1], k_cache.shape[2], heads, window)
+        return plan
+
+    def prefill(self, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor,
+                k_cache: torch.Tensor, heads: int, window: int) -> object:
+        """The `cbcore._C.PrefillPlan` of this step for a window and head shape."""
+        key = ("prefill", window, heads, k_cache.shape[2])
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = _cpu_kernels().plan_prefill(
+                block_table, cu_seqlens_q, seq_lens_k, k_cache.shape[0], k_cache.shape[1], k_cache.shape[2], heads,
+                window)
+        return plan
+
+    def why_not_cpu(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
+        """`_why_not_cpu`, asked once per step and tensor kind (every layer of one shape and dtype answers alike)."""
+        key = ("why_not_cpu", q.dtype, q.device, k_cache.dtype, v_cache.dtype, k_cache.shape[-1], v_cache.shape[-1])
+        if key not in self._plans:
+            self._plans[key] = _why_not_cpu(q, k_cache, v_cache)
+        return self._plans[key]
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    """`result`, copied into `out` when the caller gave one."""
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
 
 
 def _why_not_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
@@ -255,10 +304,14 @@ def decode_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     mode: str | None = None,
+    plans: StepKernelPlans | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query token per request against that request's pages. Returns `[batch, heads, v_head_dim]`.
+    """One query token per request against that request's pages. Returns `[batch, heads, v_head_dim]` (`out` when
+    given: contiguous, q's dtype).
 
-    softcap, sinks: see the module docstring (None: off). mode: as for `cache_write`."""
+    softcap, sinks: see the module docstring (None: off). mode: as for `cache_write`. plans: the step's
+    `StepKernelPlans` (None: plan this call alone)."""
     cap = _softcap(softcap)
     sinks = _sinks(sinks, q.shape[1], q.device)
     mode = mode or kernel_mode()
@@ -266,21 +319,28 @@ def decode_attention(
         if q.is_cuda and mode in ("auto", "cuda"):
             why = _why_not_cuda_decode(q, k_cache, v_cache)
             if why is None:
-                return _cuda_kernels().decode_attention(
+                return _into(out, _cuda_kernels().decode_attention(
                     _rows(q), k_cache, v_cache, block_table.to(torch.int32).contiguous(),
                     seq_lens.to(torch.int32).contiguous(), scale, _window(sliding_window),
                     torch.are_deterministic_algorithms_enabled(), cap, sinks,
-                )
+                ))
             if mode == "cuda":
                 raise _forced_failure(mode, "decode_attention", why)
         elif q.device.type == "cpu" and mode in ("auto", "cpu"):
-            why = _why_not_cpu(q, k_cache, v_cache)
+            why = plans.why_not_cpu(q, k_cache, v_cache) if plans is not None else _why_not_cpu(q, k_cache, v_cache)
             if why is None:
-                return _cpu_kernels().decode_attention(_rows(q), k_cache, v_cache, block_table, seq_lens, scale,
-                                                       _window(sliding_window), cap, sinks)
+                if plans is None:  # a call outside a step: the unplanned kernel (it plans for itself)
+                    return _into(out, _cpu_kernels().decode_attention(
+                        _rows(q), k_cache, v_cache, block_table, seq_lens, scale, _window(sliding_window), cap, sinks))
+                plan = plans.decode(block_table, seq_lens, k_cache, q.shape[1], _window(sliding_window))
+                if out is None:
+                    out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
+                _cpu_kernels().decode_attention_planned(plan, _rows(q), k_cache, v_cache, scale, cap, sinks, out)
+                return out
             if mode == "cpu":
                 raise _forced_failure(mode, "decode_attention", why)
-    return decode_attention_reference(q, k_cache, v_cache, block_table, seq_lens, scale, sliding_window, softcap, sinks)
+    return _into(out, decode_attention_reference(q, k_cache, v_cache, block_table, seq_lens, scale, sliding_window,
+                                                 softcap, sinks))
 
 
 def prefill_attention(
@@ -295,11 +355,13 @@ def prefill_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     mode: str | None = None,
+    plans: StepKernelPlans | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Packed causal attention: each request's new queries over its cached prefix plus its new keys (already
-    written to the pages). Returns `[num_tokens, heads, v_head_dim]`.
+    written to the pages). Returns `[num_tokens, heads, v_head_dim]` (`out` when given: contiguous, q's dtype).
 
-    softcap, sinks: see the module docstring (None: off). mode: as for `cache_write`."""
+    softcap, sinks: see the module docstring (None: off). mode, plans: as for `decode_attention`."""
     cap = _softcap(softcap)
     sinks = _sinks(sinks, q.shape[1], q.device)
     mode = mode or kernel_mode()
@@ -307,19 +369,27 @@ def prefill_attention(
         if (q.is_cuda and mode == "auto") or mode == "triton":
             why = _why_not_triton_prefill(q, k_cache, v_cache)
             if why is None:
-                return _triton_prefill()(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale,
-                                         sliding_window, softcap, sinks)
+                return _into(out, _triton_prefill()(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale,
+                                                    sliding_window, softcap, sinks))
             if mode == "triton":
                 raise _forced_failure(mode, "prefill_attention", why)
         elif q.device.type == "cpu" and mode in ("auto", "cpu"):
-            why = _why_not_cpu(q, k_cache, v_cache)
+            why = plans.why_not_cpu(q, k_cache, v_cache) if plans is not None else _why_not_cpu(q, k_cache, v_cache)
             if why is None:
-                return _cpu_kernels().prefill_attention(_rows(q), k_cache, v_cache, block_table, cu_seqlens_q,
-                                                        seq_lens_k, scale, _window(sliding_window), cap, sinks)
+                if plans is None:  # a call outside a step: the unplanned kernel (it plans for itself)
+                    return _into(out, _cpu_kernels().prefill_attention(
+                        _rows(q), k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale,
+                        _window(sliding_window), cap, sinks))
+                plan = plans.prefill(block_table, cu_seqlens_q, seq_lens_k, k_cache, q.shape[1],
+                                     _window(sliding_window))
+                if out is None:
+                    out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
+                _cpu_kernels().prefill_attention_planned(plan, _rows(q), k_cache, v_cache, scale, cap, sinks, out)
+                return out
             if mode == "cpu":
                 raise _forced_failure(mode, "prefill_attention", why)
-    return prefill_attention_reference(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, sliding_window,
-                                       softcap, sinks)
+    return _into(out, prefill_attention_reference(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale,
+                                                  sliding_window, softcap, sinks))
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -130,6 +130,14 @@ Bad arguments raise ValueError and change nothing; running out of blocks raises 
       .def("least_recently_used", &BlockAllocator::least_recently_used, py::arg("n"),
            py::doc("The ids evict(n) would free, least recently used first, changing nothing (O(n)). "
                    "ValueError for a negative n."))
+      .def("prefix_path", &BlockAllocator::prefix_path, py::arg("block_id"),
+           py::doc("The tokens of every block from the root to this hashed block, root first (what the host "
+                   "tier keys an evicted block by); [] when it is not hashed or a link of its chain changed "
+                   "since it was committed."))
+      .def("forget_prefixes", &BlockAllocator::forget_prefixes,
+           py::doc("The model's weights changed: cached-unused blocks are freed and referenced hashed blocks "
+                   "unhashed (their holders keep them), so no K/V computed before is shared or chained on "
+                   "again. Returns the number of blocks forgotten."))
       .def("refcount", &BlockAllocator::refcount, py::arg("block_id"), py::doc("Number of holders."))
       .def("is_cached", &BlockAllocator::is_cached, py::arg("block_id"),
            py::doc("True while the block is in the prefix cache (hashed), referenced or not."))

@@ -22,6 +22,10 @@ from transformers import (
 import cbcore
 from cbcore.requests import GenerationOutput
 
+# Debug mode for every engine the tests build: each step's plan checked before it runs, the cache's invariants
+# after it (cbcore/engine/core.py). A test that wants it off sets the variable itself.
+os.environ.setdefault("CBCORE_DEBUG", "1")
+
 VOCAB = 96
 
 # Each entry: a tiny config with something to prove. Weights are seeded, so every run sees the same model.

@@ -197,3 +197,32 @@ def test_the_plan_is_ids_and_ints_and_its_copies_wait_for_the_worker() -> None:
     engine.check()
     # Forks and swap-outs happened, and the forks' blocks differed from their sources until the worker copied them.
     assert seen["device_to_device"] > 0 and seen["device_to_host"] > 0 and seen["copied_by_the_worker"] > 0, seen
+
+
+def test_a_steps_kernel_plans_are_made_once_and_reused_by_every_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU kernels' work split and block-table validation are per step, not per layer: one plan per step (per
+    window and head shape), and every layer's kernel call runs over it, writing into the layer's output."""
+    from cbcore import _C
+
+    calls = {"plan_decode": 0, "decode_attention_planned": 0, "plan_prefill": 0, "prefill_attention_planned": 0}
+    for name in calls:
+        original = getattr(_C, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(_C, name, counted)
+    model = tiny_model("llama_gqa")
+    engine = engine_for(model, greedy_config(3), page_size=4, num_blocks=64)
+    num_layers = model.config.num_hidden_layers
+    prompts = random_prompts([5, 9], seed=76)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(request(index, prompt, 3))
+    engine.step()  # both prompts: one prefill step
+    assert calls["plan_prefill"] == 1 and calls["prefill_attention_planned"] == num_layers, calls
+    engine.step()  # both decode
+    assert calls["plan_decode"] == 1 and calls["decode_attention_planned"] == num_layers, calls
+    finals = run_to_the_end(engine)
+    for index, prompt in enumerate(prompts):
+        assert finals[f"req_{index}"].generated_tokens == reference_tokens(model, prompt, greedy_config(3))

@@ -168,3 +168,29 @@ def test_a_request_waiting_at_the_head_of_the_queue_is_looked_up_once_when_admit
     assert after["prefix_hits"] - before["prefix_hits"] == 2
     assert waiter.num_prefix_hit_tokens == 8
     engine.check()
+
+
+def test_a_weight_change_forgets_prefixes_that_running_requests_still_hold() -> None:
+    """After a weight change no K/V computed before is shared, even from blocks a running request holds, nor is any
+    block committed chained on them; the holder keeps its own K/V (one prefix index: the C++ allocator's)."""
+    import torch
+
+    from cbcore.cache import CacheShape, PagedKVCache
+    from cbcore.requests import RequestState
+
+    cache = PagedKVCache(CacheShape(1, 1, 8, torch.float32), num_blocks=8, page_size=2, device=torch.device("cpu"))
+    holder = RequestState(request_id="holder", initial_tokens=[1, 2, 3, 4, 5, 6, 7], max_new_tokens=4)
+    cache.grow(holder, 4)
+    holder.num_computed_tokens = 4
+    cache.commit_full_blocks(holder)
+    follower = RequestState(request_id="follower", initial_tokens=[1, 2, 3, 4, 9], max_new_tokens=4)
+    assert len(cache.peek_prefix(follower).blocks) == 2  # shared before the change
+    assert cache.invalidate_prefixes() == 2
+    assert cache.peek_prefix(follower).blocks == ()
+    holder.num_computed_tokens = 6  # its next block completes after the change
+    cache.grow(holder, 6)
+    cache.commit_full_blocks(holder)
+    assert cache.allocator.num_cached == 0  # chained on forgotten K/V: never committed
+    cache.check([holder])
+    cache.release(holder)
+    assert cache.allocator.num_free == 8

@@ -31,10 +31,16 @@ from ..runner import ModelRunner, StepResult
 from ..sampling import LogitsProcessorSwitch, Sampler
 from ..scheduler import SCHEDULING_ORDERS, ScheduledBatch, ScheduledRequest, Scheduler
 from ..swap import plan_num_host_blocks
+from ..switches import env_switch
 from .model_binding import ModelBinding
 from .sizing import absolute_position_limit, gib, plan_sizes
 
 logger = logging.getLogger("cbcore")
+
+# CBCORE_DEBUG=1 (on in the test suite): every step's plan is checked before it runs (each block a step writes is
+# held by its request alone and inside the cache) and the cache's invariants after it (allocator, refcounts equal to
+# the block tables). Read when an engine is built. Off by default: O(blocks) per step.
+DEBUG_ENV = "CBCORE_DEBUG"
 
 
 class EngineCore:
@@ -105,6 +111,7 @@ class EngineCore:
         }
         # The parameters' in-place version counters when last looked at (see notice_weight_changes).
         self._weights_signature: int | None = None
+        self.debug = env_switch(DEBUG_ENV, default=False)
 
     def _enable_swap(self, shape: CacheShape, cfg: ContinuousBatchingConfig) -> None:
         bytes_per_block = shape.bytes_per_token * cfg.page_size
@@ -227,6 +234,8 @@ class EngineCore:
         self.runner.copy_blocks(batch.copies)
         if not batch.requests:
             return outputs
+        if self.debug:
+            self._check_batch(batch)
         started = time.perf_counter()
         results, failures = self._execute_isolating_failures(batch.requests)
         for item, error in failures:
@@ -238,7 +247,24 @@ class EngineCore:
         succeeded = [item for item in batch.requests if id(item) not in failed]
         if succeeded:
             outputs += self.update_from_output(ScheduledBatch(requests=succeeded), results)
+        if self.debug:
+            self.check()
         return outputs
+
+    def _check_batch(self, batch: ScheduledBatch) -> None:
+        """Debug mode: every block the step writes is inside the cache, in its request's table, and held by that
+        request alone (a shared block written would corrupt another request's K/V: copy-on-write must have run)."""
+        page, allocator = self.cache.page_size, self.cache.allocator
+        for item in batch.requests:
+            state = item.state
+            start, end = state.num_computed_tokens, state.num_computed_tokens + item.num_tokens
+            if self.cache.blocks_for(end) > len(state.block_table):
+                raise AssertionError(f"{state.request_id}: {end} tokens but {len(state.block_table)} blocks")
+            for block in state.block_table[start // page : self.cache.blocks_for(end)]:
+                if not 0 <= block < self.cache.num_blocks or allocator.refcount(block) != 1:
+                    raise AssertionError(
+                        f"{state.request_id} writes block {block} (refcount "
+                        f"{allocator.refcount(block) if 0 <= block < self.cache.num_blocks else 'n/a'}) this step")
 
     def update_from_output(self, batch: ScheduledBatch, results: list[StepResult]) -> list[GenerationOutput]:
         """The one place that advances requests after a step: counters, computed tokens and full blocks committed

@@ -325,6 +325,29 @@ int BlockAllocator::evict(int n) {
   return evicted;
 }
 
+std::vector<std::vector<Token>> BlockAllocator::prefix_path(int block_id) const {
+  require_valid_id(block_id, "prefix_path");
+  std::vector<std::vector<Token>> path;
+  // Parents are committed before their children, so the walk ends at the root; the bound guards a broken chain.
+  for (int current = block_id, steps = 0; current != kNone; current = parent_[current], ++steps) {
+    if (!hashed_[current] || is_stale(current) || steps == num_blocks_) return {};
+    path.push_back(tokens_[current]);
+  }
+  std::reverse(path.begin(), path.end());
+  return path;
+}
+
+int BlockAllocator::forget_prefixes() {
+  int forgotten = evict(lru_size_);
+  for (int id = 0; id < num_blocks_; ++id) {
+    if (!hashed_[id]) continue;  // every hashed block left is referenced
+    unhash(id);
+    ++generation_[id];  // its children, committed under the old weights, become stale
+    ++forgotten;
+  }
+  return forgotten;
+}
+
 int BlockAllocator::refcount(int block_id) const {
   require_valid_id(block_id, "refcount");
   return refcount_[block_id];

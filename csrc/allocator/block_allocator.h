@@ -134,6 +134,14 @@ class BlockAllocator {
   // The ids evict(n) would free, in that order, changing nothing (O(n), unlike blocks_in_state()).
   std::vector<int> least_recently_used(int n) const;
 
+  // The tokens of every block from the root to the hashed `block_id`, root first: what the host tier keys an evicted
+  // block by. Empty when the block is not hashed or a link of its chain is no longer the one it was committed under
+  // (unhashed, or recycled since): the prefix cannot be named exactly then.
+  std::vector<std::vector<Token>> prefix_path(int block_id) const;
+  // Forgets every cached prefix (the model's weights changed): cached-unused blocks go to the free list, referenced
+  // hashed blocks are unhashed with their generation bumped, so nothing computed before is matched or chained on
+  // again, while their holders keep using them. Returns the number of blocks forgotten.
+  int forget_prefixes();
   int refcount(int block_id) const;
   bool is_cached(int block_id) const;
   uint64_t generation(int block_id) const;

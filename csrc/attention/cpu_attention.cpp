@@ -346,34 +346,81 @@ void cache_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_c
   });
 }
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
-                            int64_t sliding_window, double softcap, const std::optional<at::Tensor>& sinks) {
+// ---- plans -----------------------------------------------------------------------------------------------
+
+struct DecodePlanData {
+  at::Tensor table, lens;  // int32, contiguous: the planned items point into them
+  int64_t num_blocks, page_size, kv_heads, heads;
+  std::vector<DecodeItem> items;  // longest first
+  std::vector<std::array<int64_t, 3>> merges;  // (request, first partial slot, count) of split requests
+  int64_t num_partials = 0, total_cost = 0;
+};
+
+struct PrefillPlanData {
+  at::Tensor table, cu, lens;
+  int64_t num_blocks, page_size, kv_heads, heads, num_tokens, window;
+  std::vector<PrefillItem> items;  // most expensive first
+  int64_t total_cost = 0;
+};
+
+int64_t DecodePlan::batch() const { return data->lens.size(0); }
+int64_t PrefillPlan::num_tokens() const { return data->num_tokens; }
+
+namespace {
+
+void check_plan_shape(int64_t num_blocks, int64_t page_size, int64_t kv_heads, int64_t heads) {
+  TORCH_CHECK_VALUE(num_blocks >= 1 && page_size >= 1 && kv_heads >= 1 && heads >= 1 && heads % kv_heads == 0,
+                    "cbcore CPU attention plan: num_blocks ", num_blocks, ", page_size ", page_size, ", kv_heads ",
+                    kv_heads, " and heads ", heads, " must be positive, heads a multiple of kv_heads");
+}
+
+// What every planned call checks of its layer's tensors against the plan: cheap, shape-only (the per-request
+// entries were validated when the plan was built).
+void check_layer(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& out,
+                 int64_t rows, int64_t num_blocks, int64_t page_size, int64_t kv_heads, int64_t heads,
+                 const char* op) {
   check_caches(k_cache, v_cache);
   check_query(q, k_cache);
+  TORCH_CHECK_VALUE(q.size(0) == rows && q.size(1) == heads && k_cache.size(0) == num_blocks &&
+                        k_cache.size(1) == page_size && k_cache.size(2) == kv_heads,
+                    "cbcore ", op, ": q ", q.sizes(), " and k_cache ", k_cache.sizes(), " do not match the plan (",
+                    rows, " rows, ", heads, " heads; ", num_blocks, " blocks of ", page_size, ", ", kv_heads,
+                    " kv heads)");
+  TORCH_CHECK_VALUE(out.device().is_cpu() && out.dim() == 3 && out.size(0) == rows && out.size(1) == heads &&
+                        out.size(2) == v_cache.size(3) && out.scalar_type() == q.scalar_type() && out.is_contiguous(),
+                    "cbcore ", op, ": out must be a contiguous ", q.scalar_type(), " CPU tensor [", rows, ", ", heads,
+                    ", ", v_cache.size(3), "], got ", out.sizes(), " ", out.scalar_type());
+}
+
+}  // namespace
+
+DecodePlan plan_decode(const at::Tensor& block_table, const at::Tensor& seq_lens, int64_t num_blocks,
+                       int64_t page_size, int64_t kv_heads, int64_t heads, int64_t sliding_window) {
+  check_plan_shape(num_blocks, page_size, kv_heads, heads);
+  auto plan = std::make_shared<DecodePlanData>();
+  plan->table = as_int32(block_table, "block_table", 2);
+  plan->lens = as_int32(seq_lens, "seq_lens", 1);
+  plan->num_blocks = num_blocks;
+  plan->page_size = page_size;
+  plan->kv_heads = kv_heads;
+  plan->heads = heads;
   const int64_t window = check_window(sliding_window);
-  const float cap = check_softcap(softcap);
-  const float* sink = check_sinks(sinks, q.size(1));
-  const at::Tensor table = as_int32(block_table, "block_table", 2);
-  const at::Tensor lens = as_int32(seq_lens, "seq_lens", 1);
-  const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2), v_head_dim = v_cache.size(3);
-  const int64_t num_blocks = k_cache.size(0), page_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  TORCH_CHECK_VALUE(table.size(0) == batch && lens.size(0) == batch, "cbcore decode_attention: ", batch,
-                    " queries but block_table has ", table.size(0), " rows and seq_lens ", lens.size(0), " entries");
-  const int32_t* len = lens.const_data_ptr<int32_t>();
-  const int32_t* rows = table.const_data_ptr<int32_t>();
-  const int64_t group = heads / kv_heads;
+  const int64_t batch = plan->lens.size(0);
+  TORCH_CHECK_VALUE(plan->table.size(0) == batch, "cbcore decode_attention: ", batch, " seq_lens but block_table has ",
+                    plan->table.size(0), " rows");
+  const int32_t* len = plan->lens.const_data_ptr<int32_t>();
+  const int32_t* rows = plan->table.const_data_ptr<int32_t>();
 
   // Key range and chunks of each request.
   std::vector<int64_t> begins(batch);
-  int64_t num_chunks = 0, total_cost = 0;
+  int64_t num_chunks = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t n = len[b];
     TORCH_CHECK_VALUE(n >= 1, "cbcore decode_attention: request ", b, " has seq_len ", n, "; it must be >= 1");
-    check_table_row(rows + b * table.size(1), table.size(1), num_blocks, page_size, n, b);
+    check_table_row(rows + b * plan->table.size(1), plan->table.size(1), num_blocks, page_size, n, b);
     begins[b] = window > 0 ? std::max<int64_t>(0, n - window) : 0;
     num_chunks += (n - 1) / kDecodeChunk - begins[b] / kDecodeChunk + 1;
-    total_cost += (n - begins[b]) * heads;
+    plan->total_cost += (n - begins[b]) * heads;
   }
   // An item takes every kv head of its chunk (pages are then read front to back) unless that leaves too few items
   // to balance over the threads; splitting heads changes no result, each head is computed the same way.
@@ -381,32 +428,39 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   while (head_split < kv_heads && num_chunks * head_split < 4 * at::get_num_threads()) head_split *= 2;
   const int64_t heads_per_item = (kv_heads + head_split - 1) / head_split;
 
-  std::vector<DecodeItem> items;
-  std::vector<std::array<int64_t, 3>> merges;  // (request, first partial slot, count)
-  int64_t num_partials = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t n = len[b], begin = begins[b];
     const int64_t first_chunk = begin / kDecodeChunk, last_chunk = (n - 1) / kDecodeChunk;
-    if (first_chunk != last_chunk) merges.push_back({b, num_partials, last_chunk - first_chunk + 1});
+    if (first_chunk != last_chunk) plan->merges.push_back({b, plan->num_partials, last_chunk - first_chunk + 1});
     for (int64_t c = first_chunk; c <= last_chunk; ++c) {
-      const int64_t partial = first_chunk == last_chunk ? -1 : num_partials++;
+      const int64_t partial = first_chunk == last_chunk ? -1 : plan->num_partials++;
       for (int64_t h = 0; h < kv_heads; h += heads_per_item)
-        items.push_back({b, h, std::min(kv_heads, h + heads_per_item), std::max(begin, c * kDecodeChunk),
-                         std::min(n, (c + 1) * kDecodeChunk), partial, c == first_chunk});
+        plan->items.push_back({b, h, std::min(kv_heads, h + heads_per_item), std::max(begin, c * kDecodeChunk),
+                               std::min(n, (c + 1) * kDecodeChunk), partial, c == first_chunk});
     }
   }
-  std::stable_sort(items.begin(), items.end(), [](const DecodeItem& a, const DecodeItem& b) {
+  std::stable_sort(plan->items.begin(), plan->items.end(), [](const DecodeItem& a, const DecodeItem& b) {
     return (a.end - a.begin) * (a.head_end - a.head_begin) > (b.end - b.begin) * (b.head_end - b.head_begin);
   });
+  return DecodePlan(std::move(plan));
+}
 
-  at::Tensor out = at::empty({batch, heads, v_head_dim}, q.options());
-  std::vector<float> partials(static_cast<size_t>(num_partials * heads * (v_head_dim + 2)));
+void decode_attention_planned(const DecodePlan& decode_plan, const at::Tensor& q, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache, double scale, double softcap,
+                              const std::optional<at::Tensor>& sinks, const at::Tensor& out) {
+  const DecodePlanData& plan = *decode_plan.data;
+  check_layer(q, k_cache, v_cache, out, plan.lens.size(0), plan.num_blocks, plan.page_size, plan.kv_heads, plan.heads,
+              "decode_attention");
+  const float cap = check_softcap(softcap);
+  const float* sink = check_sinks(sinks, q.size(1));
+  const int64_t heads = q.size(1), head_dim = q.size(2), v_head_dim = v_cache.size(3);
+  std::vector<float> partials(static_cast<size_t>(plan.num_partials * heads * (v_head_dim + 2)));
   DecodeParams P{q.const_data_ptr(), q.stride(0), q.stride(1),
                  k_cache.const_data_ptr(), v_cache.const_data_ptr(),
-                 page_size, k_cache.stride(0), k_cache.stride(1),
+                 plan.page_size, k_cache.stride(0), k_cache.stride(1),
                  v_cache.stride(0), v_cache.stride(1),
-                 group, head_dim, v_head_dim,
-                 rows, table.size(1),
+                 heads / plan.kv_heads, head_dim, v_head_dim,
+                 plan.table.const_data_ptr<int32_t>(), plan.table.size(1),
                  static_cast<float>(scale), cap, sink,
                  out.data_ptr(), out.stride(0),
                  partials.data(), heads};
@@ -415,17 +469,119 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     using T = decltype(tag);
 #if CBCORE_HAVE_AVX2_COPY
     if (use_avx2) {
-      avx2::decode_run<T>(P, items, total_cost);
+      avx2::decode_run<T>(P, plan.items, plan.total_cost);
     } else {
-      generic::decode_run<T>(P, items, total_cost);
+      generic::decode_run<T>(P, plan.items, plan.total_cost);
     }
 #else
     (void)use_avx2;
-    generic::decode_run<T>(P, items, total_cost);
+    generic::decode_run<T>(P, plan.items, plan.total_cost);
 #endif
-    merge_partials<T>(P, merges);
+    merge_partials<T>(P, plan.merges);
   });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
+                            int64_t sliding_window, double softcap, const std::optional<at::Tensor>& sinks) {
+  check_caches(k_cache, v_cache);
+  check_query(q, k_cache);
+  TORCH_CHECK_VALUE(block_table.dim() >= 1 && seq_lens.dim() >= 1 && block_table.size(0) == q.size(0) &&
+                        seq_lens.size(0) == q.size(0),
+                    "cbcore decode_attention: ", q.size(0), " queries but block_table has ",
+                    block_table.dim() ? block_table.size(0) : 0, " rows and seq_lens ",
+                    seq_lens.dim() ? seq_lens.size(0) : 0, " entries");
+  const DecodePlan plan = plan_decode(block_table, seq_lens, k_cache.size(0), k_cache.size(1), k_cache.size(2),
+                                      q.size(1), sliding_window);
+  at::Tensor out = at::empty({q.size(0), q.size(1), v_cache.size(3)}, q.options());
+  decode_attention_planned(plan, q, k_cache, v_cache, scale, softcap, sinks, out);
   return out;
+}
+
+PrefillPlan plan_prefill(const at::Tensor& block_table, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens_k,
+                         int64_t num_blocks, int64_t page_size, int64_t kv_heads, int64_t heads,
+                         int64_t sliding_window) {
+  check_plan_shape(num_blocks, page_size, kv_heads, heads);
+  auto plan = std::make_shared<PrefillPlanData>();
+  plan->table = as_int32(block_table, "block_table", 2);
+  plan->cu = as_int32(cu_seqlens_q, "cu_seqlens_q", 1);
+  plan->lens = as_int32(seq_lens_k, "seq_lens_k", 1);
+  plan->num_blocks = num_blocks;
+  plan->page_size = page_size;
+  plan->kv_heads = kv_heads;
+  plan->heads = heads;
+  plan->window = check_window(sliding_window);
+  const int64_t batch = plan->lens.size(0);
+  TORCH_CHECK_VALUE(plan->cu.size(0) == batch + 1 && plan->table.size(0) == batch,
+                    "cbcore prefill_attention: seq_lens_k has ", batch, " entries, so cu_seqlens_q needs ", batch + 1,
+                    " (got ", plan->cu.size(0), ") and block_table ", batch, " rows (got ", plan->table.size(0), ")");
+  const int32_t* starts = plan->cu.const_data_ptr<int32_t>();
+  const int32_t* len = plan->lens.const_data_ptr<int32_t>();
+  const int32_t* rows = plan->table.const_data_ptr<int32_t>();
+  TORCH_CHECK_VALUE(starts[0] == 0, "cbcore prefill_attention: cu_seqlens_q must start at 0, got ", starts[0]);
+  plan->num_tokens = starts[batch];
+  const int64_t group = heads / kv_heads;
+  const int64_t tile = prefill_query_tile(group);
+  const int64_t window = plan->window;
+
+  std::vector<PrefillItem> items;
+  std::vector<int64_t> costs;
+  for (int64_t i = 0; i < batch; ++i) {
+    const int64_t q_len = starts[i + 1] - starts[i], k_len = len[i];
+    TORCH_CHECK_VALUE(q_len >= 0 && q_len <= k_len, "cbcore prefill_attention: request ", i, " has ", q_len,
+                      " queries but ", k_len, " keys; its queries are the last of its keys, so q_len <= k_len");
+    if (q_len == 0) continue;
+    check_table_row(rows + i * plan->table.size(1), plan->table.size(1), num_blocks, page_size, k_len, i);
+    for (int64_t j0 = 0; j0 < q_len; j0 += tile) {
+      const int64_t j1 = std::min(q_len, j0 + tile);
+      const int64_t last = k_len - q_len + j1 - 1, first = k_len - q_len + j0;
+      const int64_t keys = last + 1 - (window > 0 ? std::max<int64_t>(0, first - window + 1) : 0);
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        items.push_back({i, h, j0, j1});
+        costs.push_back(keys * (j1 - j0) * group);
+        plan->total_cost += costs.back();
+      }
+    }
+  }
+  std::vector<size_t> order(items.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return costs[a] > costs[b]; });
+  plan->items.reserve(items.size());
+  for (size_t i : order) plan->items.push_back(items[i]);
+  return PrefillPlan(std::move(plan));
+}
+
+void prefill_attention_planned(const PrefillPlan& prefill_plan, const at::Tensor& q, const at::Tensor& k_cache,
+                               const at::Tensor& v_cache, double scale, double softcap,
+                               const std::optional<at::Tensor>& sinks, const at::Tensor& out) {
+  const PrefillPlanData& plan = *prefill_plan.data;
+  check_layer(q, k_cache, v_cache, out, plan.num_tokens, plan.num_blocks, plan.page_size, plan.kv_heads, plan.heads,
+              "prefill_attention");
+  const float cap = check_softcap(softcap);
+  const float* sink = check_sinks(sinks, q.size(1));
+  PrefillParams P{q.const_data_ptr(), q.stride(0), q.stride(1),
+                  k_cache.const_data_ptr(), v_cache.const_data_ptr(),
+                  plan.page_size, k_cache.stride(0), k_cache.stride(1),
+                  v_cache.stride(0), v_cache.stride(1),
+                  q.size(1) / plan.kv_heads, q.size(2), v_cache.size(3),
+                  plan.table.const_data_ptr<int32_t>(), plan.table.size(1),
+                  plan.cu.const_data_ptr<int32_t>(), plan.lens.const_data_ptr<int32_t>(),
+                  static_cast<float>(scale), plan.window, cap, sink,
+                  out.data_ptr(), out.stride(0)};
+  const bool use_avx2 = active_isa().load() == Isa::kAvx2;
+  dispatch_dtype(q.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+#if CBCORE_HAVE_AVX2_COPY
+    if (use_avx2) {
+      avx2::prefill_run<T>(P, plan.items, plan.total_cost);
+    } else {
+      generic::prefill_run<T>(P, plan.items, plan.total_cost);
+    }
+#else
+    (void)use_avx2;
+    generic::prefill_run<T>(P, plan.items, plan.total_cost);
+#endif
+  });
 }
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -434,77 +590,12 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
                              const std::optional<at::Tensor>& sinks) {
   check_caches(k_cache, v_cache);
   check_query(q, k_cache);
-  const int64_t window = check_window(sliding_window);
-  const float cap = check_softcap(softcap);
-  const float* sink = check_sinks(sinks, q.size(1));
-  const at::Tensor table = as_int32(block_table, "block_table", 2);
-  const at::Tensor cu = as_int32(cu_seqlens_q, "cu_seqlens_q", 1);
-  const at::Tensor lens = as_int32(seq_lens_k, "seq_lens_k", 1);
-  const int64_t num_tokens = q.size(0), heads = q.size(1), head_dim = q.size(2), v_head_dim = v_cache.size(3);
-  const int64_t num_blocks = k_cache.size(0), page_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  const int64_t batch = lens.size(0);
-  TORCH_CHECK_VALUE(cu.size(0) == batch + 1 && table.size(0) == batch, "cbcore prefill_attention: seq_lens_k has ",
-                    batch, " entries, so cu_seqlens_q needs ", batch + 1, " (got ", cu.size(0),
-                    ") and block_table ", batch, " rows (got ", table.size(0), ")");
-  const int32_t* starts = cu.const_data_ptr<int32_t>();
-  const int32_t* len = lens.const_data_ptr<int32_t>();
-  const int32_t* rows = table.const_data_ptr<int32_t>();
-  TORCH_CHECK_VALUE(starts[0] == 0 && starts[batch] == num_tokens, "cbcore prefill_attention: cu_seqlens_q must run "
-                    "from 0 to the ", num_tokens, " packed queries, got ", starts[0], "..", starts[batch]);
-  const int64_t group = heads / kv_heads;
-  const int64_t tile = prefill_query_tile(group);
-
-  std::vector<PrefillItem> items;
-  std::vector<int64_t> costs;
-  int64_t total_cost = 0;
-  for (int64_t i = 0; i < batch; ++i) {
-    const int64_t q_len = starts[i + 1] - starts[i], k_len = len[i];
-    TORCH_CHECK_VALUE(q_len >= 0 && q_len <= k_len, "cbcore prefill_attention: request ", i, " has ", q_len,
-                      " queries but ", k_len, " keys; its queries are the last of its keys, so q_len <= k_len");
-    if (q_len == 0) continue;
-    check_table_row(rows + i * table.size(1), table.size(1), num_blocks, page_size, k_len, i);
-    for (int64_t j0 = 0; j0 < q_len; j0 += tile) {
-      const int64_t j1 = std::min(q_len, j0 + tile);
-      const int64_t last = k_len - q_len + j1 - 1, first = k_len - q_len + j0;
-      const int64_t keys = last + 1 - (window > 0 ? std::max<int64_t>(0, first - window + 1) : 0);
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        items.push_back({i, h, j0, j1});
-        costs.push_back(keys * (j1 - j0) * group);
-        total_cost += costs.back();
-      }
-    }
-  }
-  std::vector<size_t> order(items.size());
-  std::iota(order.begin(), order.end(), size_t{0});
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return costs[a] > costs[b]; });
-  std::vector<PrefillItem> sorted;
-  sorted.reserve(items.size());
-  for (size_t i : order) sorted.push_back(items[i]);
-
-  at::Tensor out = at::empty({num_tokens, heads, v_head_dim}, q.options());
-  PrefillParams P{q.const_data_ptr(), q.stride(0), q.stride(1),
-                  k_cache.const_data_ptr(), v_cache.const_data_ptr(),
-                  page_size, k_cache.stride(0), k_cache.stride(1),
-                  v_cache.stride(0), v_cache.stride(1),
-                  group, head_dim, v_head_dim,
-                  rows, table.size(1),
-                  starts, len,
-                  static_cast<float>(scale), window, cap, sink,
-                  out.data_ptr(), out.stride(0)};
-  const bool use_avx2 = active_isa().load() == Isa::kAvx2;
-  dispatch_dtype(q.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-#if CBCORE_HAVE_AVX2_COPY
-    if (use_avx2) {
-      avx2::prefill_run<T>(P, sorted, total_cost);
-    } else {
-      generic::prefill_run<T>(P, sorted, total_cost);
-    }
-#else
-    (void)use_avx2;
-    generic::prefill_run<T>(P, sorted, total_cost);
-#endif
-  });
+  const PrefillPlan plan = plan_prefill(block_table, cu_seqlens_q, seq_lens_k, k_cache.size(0), k_cache.size(1),
+                                        k_cache.size(2), q.size(1), sliding_window);
+  TORCH_CHECK_VALUE(plan.num_tokens() == q.size(0), "cbcore prefill_attention: cu_seqlens_q must run from 0 to the ",
+                    q.size(0), " packed queries, got 0..", plan.num_tokens());
+  at::Tensor out = at::empty({q.size(0), q.size(1), v_cache.size(3)}, q.options());
+  prefill_attention_planned(plan, q, k_cache, v_cache, scale, softcap, sinks, out);
   return out;
 }
 

@@ -46,6 +46,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -69,6 +70,50 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
                              const std::optional<at::Tensor>& sinks);
 
 // The instruction set the kernels run with: "avx2" or "generic".
+// ---- plan once per step, run per layer ----------------------------------------------------------------
+// A step's block tables and lengths are the same for every layer: the work split (items, split-K merges) and the
+// validation of every block-table entry are done once, by a plan, and every layer's call reuses it. A plan is
+// specific to a sliding window and a (kv heads, query heads) shape, which may differ between layers (cbcore/ops.py
+// keeps one per key for the step). The planned calls write into `out` ([rows, heads, v_head_dim], contiguous, q's
+// dtype: a slice of the attention layer's output) instead of allocating.
+
+struct DecodePlanData;
+struct PrefillPlanData;
+
+// Hidden like pybind11's own types (the extension's classes are not part of any shared-library interface).
+#define CBCORE_HIDDEN __attribute__((visibility("hidden")))
+
+class CBCORE_HIDDEN DecodePlan {
+ public:
+  explicit DecodePlan(std::shared_ptr<const DecodePlanData> data) : data(std::move(data)) {}
+  int64_t batch() const;
+  std::shared_ptr<const DecodePlanData> data;
+};
+
+class CBCORE_HIDDEN PrefillPlan {
+ public:
+  explicit PrefillPlan(std::shared_ptr<const PrefillPlanData> data) : data(std::move(data)) {}
+  int64_t num_tokens() const;
+  std::shared_ptr<const PrefillPlanData> data;
+};
+
+// Validates block_table / seq_lens against a cache of num_blocks x page_size and splits the work for kv_heads x
+// heads attention with this window (-1: none). ValueError naming the request and the entry on bad input.
+DecodePlan plan_decode(const at::Tensor& block_table, const at::Tensor& seq_lens, int64_t num_blocks,
+                       int64_t page_size, int64_t kv_heads, int64_t heads, int64_t sliding_window);
+
+void decode_attention_planned(const DecodePlan& plan, const at::Tensor& q, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache, double scale, double softcap,
+                              const std::optional<at::Tensor>& sinks, const at::Tensor& out);
+
+PrefillPlan plan_prefill(const at::Tensor& block_table, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens_k,
+                         int64_t num_blocks, int64_t page_size, int64_t kv_heads, int64_t heads,
+                         int64_t sliding_window);
+
+void prefill_attention_planned(const PrefillPlan& plan, const at::Tensor& q, const at::Tensor& k_cache,
+                               const at::Tensor& v_cache, double scale, double softcap,
+                               const std::optional<at::Tensor>& sinks, const at::Tensor& out);
+
 std::string isa();
 
 // Tests: force "generic" or "avx2" (ValueError if this CPU or build lacks it), or "auto".

@@ -31,6 +31,32 @@ void register_cpu_attention_bindings(py::module_& m) {
         "Packed causal prefill attention on the CPU (bottom-right aligned, optional sliding window; -1 for none), "
         "reading the pages in place; softcap (0: none) and sinks (None or [heads] float32) as in decode_attention. "
         "Returns [num_tokens, heads, v_head_dim]. Same semantics as cbcore.ops.prefill_attention_reference.");
+  py::class_<cpu::DecodePlan>(m, "DecodePlan",
+                              "A step's decode work split, its block table validated: built once per step (and "
+                              "per window and head shape), reused by every layer (decode_attention_planned).")
+      .def_property_readonly("batch", &cpu::DecodePlan::batch);
+  py::class_<cpu::PrefillPlan>(m, "PrefillPlan",
+                               "A step's prefill work split, its block table validated: built once per step (and "
+                               "per window and head shape), reused by every layer (prefill_attention_planned).")
+      .def_property_readonly("num_tokens", &cpu::PrefillPlan::num_tokens);
+  m.def("plan_decode", &cpu::plan_decode, py::arg("block_table"), py::arg("seq_lens"), py::arg("num_blocks"),
+        py::arg("page_size"), py::arg("kv_heads"), py::arg("heads"), py::arg("sliding_window"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Validates a decode step's block_table / seq_lens against num_blocks x page_size and splits its work for "
+        "kv_heads x heads attention with this sliding window (-1: none). Returns a DecodePlan.");
+  m.def("decode_attention_planned", &cpu::decode_attention_planned, py::arg("plan"), py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("scale"), py::arg("softcap"), py::arg("sinks"), py::arg("out"),
+        py::call_guard<py::gil_scoped_release>(),
+        "decode_attention over a plan, writing into out [batch, heads, v_head_dim] (contiguous, q's dtype).");
+  m.def("plan_prefill", &cpu::plan_prefill, py::arg("block_table"), py::arg("cu_seqlens_q"), py::arg("seq_lens_k"),
+        py::arg("num_blocks"), py::arg("page_size"), py::arg("kv_heads"), py::arg("heads"),
+        py::arg("sliding_window"), py::call_guard<py::gil_scoped_release>(),
+        "Validates a prefill step's block_table / cu_seqlens_q / seq_lens_k and splits its work (see plan_decode). "
+        "Returns a PrefillPlan.");
+  m.def("prefill_attention_planned", &cpu::prefill_attention_planned, py::arg("plan"), py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("scale"), py::arg("softcap"), py::arg("sinks"), py::arg("out"),
+        py::call_guard<py::gil_scoped_release>(),
+        "prefill_attention over a plan, writing into out [num_tokens, heads, v_head_dim] (contiguous, q's dtype).");
   m.def("cpu_attention_isa", &cpu::isa, "The instruction set the CPU attention kernels use: 'avx2' or 'generic'.");
   m.def("_set_cpu_attention_isa", &cpu::set_isa, py::arg("name"),
         "Tests and benchmarks: force 'generic' or 'avx2' (ValueError if unavailable), or 'auto'.");

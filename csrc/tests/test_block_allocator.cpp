@@ -397,6 +397,40 @@ TEST(BlockAllocator, ResetStatsZeroesEventCountersOnly) {
   EXPECT_EQ(a.refcount(chain[0]), 2);
 }
 
+TEST(BlockAllocator, PrefixPathNamesTheWholeChainUntilALinkChanges) {
+  BlockAllocator a(8, 2);
+  Ids chain = cache_chain(a, {1, 2, 3, 4, 5, 6});
+  EXPECT_EQ(a.prefix_path(chain[2]), (std::vector<Tokens>{{1, 2}, {3, 4}, {5, 6}}));
+  EXPECT_EQ(a.prefix_path(chain[0]), (std::vector<Tokens>{{1, 2}}));
+  Ids fresh = a.allocate(1);
+  EXPECT_TRUE(a.prefix_path(fresh[0]).empty());  // not hashed
+  // The middle block is evicted (its K/V recycled): the tail's chain can no longer be named.
+  a.free({chain[2], chain[1], chain[0]});
+  a.free(fresh);
+  Ids all = a.allocate(8);  // evicts every cached block
+  EXPECT_TRUE(a.prefix_path(chain[2]).empty());
+  a.free(all);
+  a.check();
+}
+
+TEST(BlockAllocator, ForgetPrefixesFreesUnusedUnhashesHeldAndBreaksTheirChains) {
+  BlockAllocator a(8, 2);
+  Ids unused = cache_chain(a, {7, 7});
+  a.free(unused);
+  Ids held = cache_chain(a, {1, 2, 3, 4});
+  EXPECT_EQ(a.forget_prefixes(), 3);
+  a.check();
+  EXPECT_EQ(a.num_cached(), 0);
+  EXPECT_EQ(a.num_free(), 6);  // the unused block, and the 5 never allocated
+  EXPECT_EQ(a.refcount(held[0]), 1);  // its holder keeps it
+  EXPECT_TRUE(a.match_prefix({1, 2, 3, 4}, 2).empty());
+  Ids next = a.allocate(1);
+  EXPECT_FALSE(a.commit(next[0], held[1], {5, 6}));  // never chained on K/V of the old weights
+  a.free({next[0], held[1], held[0]});
+  EXPECT_EQ(a.num_free(), 8);  // unhashed: straight to the free list
+  a.check();
+}
+
 TEST(ChainHash, DependsOnParentAndTokenOrder) {
   const Token ab[] = {1, 2};
   const Token ba[] = {2, 1};
