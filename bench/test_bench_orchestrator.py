@@ -43,7 +43,8 @@ import torch
 
 from cbcore._C import BlockAllocator
 from cbcore.benchmarks.machine import cpu_model
-from cbcore.cache import CacheShape, PagedKVCache
+from cbcore.cache import PagedKVCache
+from cbcore.cache_shape import CacheShape
 from cbcore.requests import RequestState, RequestStatus
 from cbcore.scheduler import SCHEDULING_ORDERS, ScheduledBatch, Scheduler
 

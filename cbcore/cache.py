@@ -14,6 +14,11 @@ Who holds a block reference (the allocator counts them; `check()` proves the cou
 
 Host blocks of the swap pool are held by swapped-out requests (`RequestState.host_blocks`); see cbcore/swap.py.
 
+One prefix index: the C++ allocator's hash chain (parent, tokens, the parent's generation). Python keeps no copy
+of it: the host tier asks the allocator for an evicted block's whole prefix (`prefix_path`), and a weight change
+makes it forget every prefix (`forget_prefixes`). The page shape comes from cbcore/cache_shape.py, the number of
+blocks from cbcore/engine/sizing.py.
+
 The scheduler calls the bookkeeping methods (it decides); the block copies they imply (a fork's copy-on-write
 block, swaps, host-tier moves) are recorded as block-id pairs, taken into the step's plan by `take_copies()` and
 issued by the runner (it executes), which also reads the tensors.
@@ -21,171 +26,17 @@ issued by the runner (it executes), which also reads the tensors.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import psutil
 import torch
 
 from ._C import BlockAllocator
-from .attention import probe_kv_shapes
+from .cache_shape import CacheShape
 from .plan import BlockCopies
 from .requests import RequestState
 from .swap import HostSwap
-
-# On a CPU the KV cache lives in the same RAM as everything else; never take more than this by default, so a small
-# model on a laptop-sized machine cannot push it into swap (transformers takes 60% of free RAM on CPU). 1 GiB holds
-# 64 requests of 512 tokens for a 32-layer model with 8 KV heads of 128 in bf16 / 16 layers in fp32; a workload that
-# would need more is preempted (swap or recompute) rather than given more RAM, unless `num_blocks` says otherwise.
-CPU_CACHE_CAP_BYTES = 2**30
-
-
-@dataclass(frozen=True)
-class CacheShape:
-    """What one token costs in the cache: per layer, the KV heads and the K and V head dims its attention receives.
-
-    Most models have one shape for every layer (`num_kv_heads`, `head_dim`, `v_head_dim`); a model whose layers differ
-    (Gemma-4's sliding and global layers, per-layer KV head counts) has `per_layer` set, one (kv heads, K head dim,
-    V head dim) per layer, and its pages are allocated layer by layer with their own shape.
-    """
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int  # K's (and the queries')
-    dtype: torch.dtype
-    v_head_dim: int | None = None  # V's when it differs from K's (multi-head latent attention); None: head_dim
-    per_layer: tuple[tuple[int, int, int], ...] | None = None  # when the layers differ
-
-    @property
-    def value_head_dim(self) -> int:
-        """The head dim of the V pages (of layer 0 when the layers differ)."""
-        return self.head_dim if self.v_head_dim is None else self.v_head_dim
-
-    @property
-    def uniform(self) -> bool:
-        """One K/V page shape for every layer, the same for K and V (what the host swap pool holds)."""
-        return self.per_layer is None and self.value_head_dim == self.head_dim
-
-    def layer_dims(self, layer: int) -> tuple[int, int, int]:
-        """(kv heads, K head dim, V head dim) of one layer."""
-        if self.per_layer is not None:
-            return self.per_layer[layer]
-        return self.num_kv_heads, self.head_dim, self.value_head_dim
-
-    @property
-    def bytes_per_token(self) -> int:
-        """K and V over every layer."""
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return sum(heads * (k + v) for heads, k, v in map(self.layer_dims, range(self.num_layers))) * element
-
-    @classmethod
-    def from_model_config(cls, config, dtype: torch.dtype) -> CacheShape:
-        """Layers, KV heads and K/V head dims of a transformers text config (per layer for a heterogeneous config).
-
-        ValueError, naming the config and the field, when the dims cannot be derived exactly.
-        """
-        config = config.get_text_config()
-        if getattr(config, "is_heterogeneous", False):
-            per_layer = [_attention_dims(layer) for layer in config.per_layer_config]
-            return cls.from_layers(per_layer, dtype)
-        num_kv_heads, head_dim, v_head_dim = _attention_dims(config)
-        return cls(config.num_hidden_layers, num_kv_heads, head_dim, dtype,
-                   None if v_head_dim == head_dim else v_head_dim)
-
-    @classmethod
-    def from_layers(cls, per_layer: list[tuple[int, int, int]], dtype: torch.dtype) -> CacheShape:
-        """The shape of layers whose (kv heads, K head dim, V head dim) are given one by one."""
-        num_kv_heads, head_dim, v_head_dim = per_layer[0]
-        layers = None if len(set(per_layer)) == 1 else tuple(per_layer)
-        return cls(len(per_layer), num_kv_heads, head_dim, dtype, None if v_head_dim == head_dim else v_head_dim,
-                   layers)
-
-    @classmethod
-    def from_model(cls, model: torch.nn.Module, dtype: torch.dtype) -> CacheShape:
-        """The shape of what `model`'s attention layers really receive: read off one probe forward (a token through
-        cbcore's attention function, which records each layer's K/V shapes), since a config does not always say
-        (JetMoE's heads depend on its experts, some configs name per-layer head counts their own way). Falls back
-        to the config when the probe cannot run; the start-up self-check verifies the numbers either way."""
-        probed = probe_kv_shapes(model)
-        config = model.config.get_text_config()
-        if probed is None or sorted(probed) != list(range(config.num_hidden_layers)):
-            return cls.from_model_config(model.config, dtype)
-        return cls.from_layers([probed[layer] for layer in range(config.num_hidden_layers)], dtype)
-
-
-def _attention_dims(config) -> tuple[int, int, int]:
-    """(kv heads, K head dim, V head dim) of the K/V that one layer hands its attention function."""
-    name = type(config).__name__
-
-    def positive(field: str, value) -> int:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}.{field} is {value!r}; cbcore needs a positive integer to size its KV cache")
-        return value
-
-    num_heads = positive("num_attention_heads", getattr(config, "num_attention_heads", None))
-    nope, rope = getattr(config, "qk_nope_head_dim", None), getattr(config, "qk_rope_head_dim", None)
-    if nope is not None and rope is not None:
-        # Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3): transformers expands the latent into per-head K/V
-        # before calling attention (DeepseekV3Attention.expand_kv): one K/V head per query head, K = nope + rope
-        # dims, V = v_head_dim. config.head_dim is only the rotary part there, not K's head dim.
-        v_head_dim = positive("v_head_dim", getattr(config, "v_head_dim", None))
-        return num_heads, positive("qk_nope_head_dim", nope) + positive("qk_rope_head_dim", rope), v_head_dim
-    num_kv_heads = positive("num_key_value_heads", getattr(config, "num_key_value_heads", None) or num_heads)
-    head_dim = getattr(config, "head_dim", None)
-    if head_dim is None:
-        hidden = positive("hidden_size", getattr(config, "hidden_size", None))
-        if hidden % num_heads:
-            raise ValueError(f"{name}: hidden_size {hidden} is not a multiple of num_attention_heads {num_heads} and "
-                             "head_dim is unset; cbcore cannot derive the head dim of its KV cache")
-        head_dim = hidden // num_heads
-    head_dim = positive("head_dim", head_dim)
-    v_head_dim = getattr(config, "v_head_dim", None)
-    if v_head_dim is not None and v_head_dim != head_dim:
-        # A V head dim without the latent-attention fields: how the model shapes its V is not known here.
-        raise ValueError(f"{name}: v_head_dim {v_head_dim} differs from head_dim {head_dim} outside multi-head latent "
-                         "attention (no qk_nope_head_dim / qk_rope_head_dim); cbcore cannot derive its KV cache shape")
-    return num_kv_heads, head_dim, head_dim
-
-
-def plan_num_blocks(
-    shape: CacheShape,
-    page_size: int,
-    device: torch.device,
-    max_memory_percent: float,
-    reserved_bytes: int,
-    max_useful_blocks: int | None = None,
-) -> int:
-    """How many blocks to allocate when the user left `num_blocks=None`.
-
-    The budget is `max_memory_percent` of the memory that is free once the model is loaded, minus `reserved_bytes`
-    (the activations of the largest step, computed from the step budgets). On CPU it is also capped at
-    `CPU_CACHE_CAP_BYTES`. `max_useful_blocks` (from workload hints: every request at its longest, all at once, see
-    `useful_blocks`) caps it further: more blocks than that would never be used.
-    """
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        budget = max_memory_percent * max(free - reserved_bytes, 0)
-    else:
-        available = psutil.virtual_memory().available
-        budget = min(max_memory_percent * max(available - reserved_bytes, 0), CPU_CACHE_CAP_BYTES)
-    num_blocks = int(budget // (shape.bytes_per_token * page_size))
-    if max_useful_blocks is not None:
-        num_blocks = min(num_blocks, max_useful_blocks)
-    if num_blocks < 1:
-        raise ValueError(
-            f"not enough free memory for a single KV-cache block of {page_size} tokens "
-            f"({shape.bytes_per_token * page_size} bytes); set num_blocks explicitly or free memory"
-        )
-    return num_blocks
-
-
-def useful_blocks(num_requests: int, longest_request_tokens: int, page_size: int) -> int:
-    """Blocks that `num_requests` requests of at most `longest_request_tokens` tokens can hold at once: each
-    rounds up to whole pages, plus one block of slack for a request forked or admitted while another finishes."""
-    return num_requests * math.ceil(longest_request_tokens / page_size) + 1
-
 
 @dataclass(frozen=True)
 class PrefixHit:

@@ -41,7 +41,8 @@ from collections.abc import Iterator
 
 import torch
 
-from .cache import CacheShape, PagedKVCache
+from .cache import PagedKVCache
+from .cache_shape import CacheShape
 from .requests import RequestState, RequestStatus
 from .positions import cache_length_position_embeddings
 from .runner import ModelRunner

@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import DeepseekV3Config, Gemma4TextConfig, LlamaConfig, MiniCPM3Config, Qwen3Config
 
-from cbcore.cache import CacheShape, PagedKVCache
+from cbcore.cache import PagedKVCache
+from cbcore.cache_shape import CacheShape
 
 
 def test_a_plain_config_gives_kv_heads_and_hidden_over_heads() -> None:

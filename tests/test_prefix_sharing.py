@@ -175,7 +175,8 @@ def test_a_weight_change_forgets_prefixes_that_running_requests_still_hold() -> 
     block committed chained on them; the holder keeps its own K/V (one prefix index: the C++ allocator's)."""
     import torch
 
-    from cbcore.cache import CacheShape, PagedKVCache
+    from cbcore.cache import PagedKVCache
+    from cbcore.cache_shape import CacheShape
     from cbcore.requests import RequestState
 
     cache = PagedKVCache(CacheShape(1, 1, 8, torch.float32), num_blocks=8, page_size=2, device=torch.device("cpu"))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import cbcore
-from cbcore.cache import CPU_CACHE_CAP_BYTES
+from cbcore.engine.sizing import CPU_CACHE_CAP_BYTES
 from conftest import (
     VOCAB,
     assert_engine_clean,

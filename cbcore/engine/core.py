@@ -24,7 +24,8 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
-from ..cache import CacheShape, PagedKVCache
+from ..cache import PagedKVCache
+from ..cache_shape import CacheShape
 from ..config import ContinuousBatchingConfig
 from ..requests import GenerationOutput, RequestState, RequestStatus, child_request_id
 from ..runner import ModelRunner, StepResult

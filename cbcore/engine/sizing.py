@@ -4,19 +4,25 @@ shares RAM with everything else)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import psutil
 import torch
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
-from ..cache import CacheShape, plan_num_blocks, useful_blocks
+from ..cache_shape import CacheShape
 from ..config import ContinuousBatchingConfig
 
 # Default step budgets when the config leaves them None (transformers infers them from GPU memory).
 DEFAULT_MAX_BATCH_TOKENS = {"cpu": 1024, "cuda": 8192}
 FALLBACK_MAX_REQUESTS_PER_BATCH = 1024  # transformers' fallback
-CPU_MAX_MEMORY_PERCENT = 0.6  # transformers' default on CPU; cbcore also caps the bytes (cache.CPU_CACHE_CAP_BYTES)
+# On a CPU the KV cache lives in the same RAM as everything else; never take more than this by default, so a small
+# model on a laptop-sized machine cannot push it into swap (transformers takes 60% of free RAM on CPU). 1 GiB holds
+# 64 requests of 512 tokens for a 32-layer model with 8 KV heads of 128 in bf16 / 16 layers in fp32; a workload that
+# would need more is preempted (swap or recompute) rather than given more RAM, unless `num_blocks` says otherwise.
+CPU_CACHE_CAP_BYTES = 2**30
+CPU_MAX_MEMORY_PERCENT = 0.6  # transformers' default on CPU; cbcore also caps the bytes (CPU_CACHE_CAP_BYTES)
 # An explicit num_blocks may take at most this share of the memory available when the cache is allocated: beyond it
 # the allocation would push the machine into swap or fail with a raw allocator error.
 MAX_EXPLICIT_CACHE_SHARE = 0.9
@@ -97,3 +103,41 @@ def absolute_position_limit(model: torch.nn.Module) -> int | None:
         if isinstance(module, torch.nn.Embedding) and (leaf == "wpe" or "position" in leaf):
             return module.num_embeddings - int(getattr(module, "offset", 0))
     return None
+
+
+def plan_num_blocks(
+    shape: CacheShape,
+    page_size: int,
+    device: torch.device,
+    max_memory_percent: float,
+    reserved_bytes: int,
+    max_useful_blocks: int | None = None,
+) -> int:
+    """How many blocks to allocate when the user left `num_blocks=None`.
+
+    The budget is `max_memory_percent` of the memory that is free once the model is loaded, minus `reserved_bytes`
+    (the activations of the largest step, computed from the step budgets). On CPU it is also capped at
+    `CPU_CACHE_CAP_BYTES`. `max_useful_blocks` (from workload hints: every request at its longest, all at once, see
+    `useful_blocks`) caps it further: more blocks than that would never be used.
+    """
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = max_memory_percent * max(free - reserved_bytes, 0)
+    else:
+        available = psutil.virtual_memory().available
+        budget = min(max_memory_percent * max(available - reserved_bytes, 0), CPU_CACHE_CAP_BYTES)
+    num_blocks = int(budget // (shape.bytes_per_token * page_size))
+    if max_useful_blocks is not None:
+        num_blocks = min(num_blocks, max_useful_blocks)
+    if num_blocks < 1:
+        raise ValueError(
+            f"not enough free memory for a single KV-cache block of {page_size} tokens "
+            f"({shape.bytes_per_token * page_size} bytes); set num_blocks explicitly or free memory"
+        )
+    return num_blocks
+
+
+def useful_blocks(num_requests: int, longest_request_tokens: int, page_size: int) -> int:
+    """Blocks that `num_requests` requests of at most `longest_request_tokens` tokens can hold at once: each
+    rounds up to whole pages, plus one block of slack for a request forked or admitted while another finishes."""
+    return num_requests * math.ceil(longest_request_tokens / page_size) + 1
