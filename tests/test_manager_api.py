@@ -12,7 +12,7 @@ import torch
 from transformers import GenerationConfig
 
 import cbcore
-import cbcore.manager as manager_module
+import cbcore.serving.submission as manager_module
 from cbcore.cache import PagedKVCache
 from conftest import (
     assert_engine_clean,

@@ -1,0 +1,179 @@
+"""The manager's background generation loop: the one thread that steps the engine, and how callers pause it.
+
+Each iteration, between two steps: park while anyone holds the pause, take in the new requests (a request cancelled
+while it was queued ends CANCELLED without being admitted), apply the cancellations, stop when asked, else run one step
+and deliver its outputs. A terminal output frees its request id the moment it is delivered. The loop never vanishes
+silently: an exception fails every request it holds, is kept in `background_thread_status.fatal_error` and closes the
+manager to new requests until the next `start()`. Whatever way it ends, the loop itself hands the model back, as the
+last thing it does, when no step can be in flight any more.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from ..requests import GenerationOutput, RequestStatus
+
+logger = logging.getLogger("cbcore")
+
+
+class StopMode:
+    """What the loop does when it next looks: keep serving, or stop (after the queued requests, or at once). It only
+    ever moves towards HARD while the loop runs."""
+
+    RUNNING = 0
+    FLUSH = 1  # finish everything queued, then stop
+    HARD = 2  # fail whatever is pending, stop now
+
+
+class BackgroundThreadStatus:
+    """What transformers' own code reads of a manager's loop (its serving layer's `CBGenerateManager` checks
+    `manager.background_thread_status.fatal_error` before each request): the error that killed the loop, or None."""
+
+    def __init__(self) -> None:
+        self.fatal_error: BaseException | None = None
+
+
+class GenerationLoop:
+    """The half of `ContinuousBatchingManager` that runs on its loop thread, and `pause()`, the loop's one public
+    control besides start and stop. The state it shares with the callers' half (the engine, the queues, the request
+    registry, the wake-up event, the stop mode, the pause condition) is created by `ContinuousBatchingManager.__init__`;
+    of the manager's lifecycle it calls `is_running`, `_refuse_if_destroyed`, `_restore_attn` and `_release`."""
+
+    @contextmanager
+    def pause(self) -> Iterator[None]:
+        """Pause the loop for the `with` block, e.g. to update the model's weights in place. The block is entered once
+        the loop is parked between two steps; on exit it resumes with its cache and in-flight requests intact
+        (nothing is drained, nothing lost). Several threads may hold the pause at once; the loop resumes when the last
+        one leaves. Raises RuntimeError when no loop is running, or when the loop ends (stopped or crashed) before it
+        could park: it never waits for a loop that is gone."""
+        self._refuse_if_destroyed("pause")
+        if not self.is_running():
+            raise RuntimeError("Cannot pause generation while no generation loop is running.")
+        thread = self._generation_thread
+        with self._pause_cond:
+            self._pause_holders += 1
+        try:
+            self._wake_up_loop.set()
+            with self._pause_cond:
+                # Poll the thread too: a loop that dies between two notifications would otherwise be waited on forever.
+                while not self._loop_parked:
+                    if thread is None or not thread.is_alive():
+                        raise RuntimeError(
+                            "The generation loop stopped before it could pause."
+                        ) from self.background_thread_status.fatal_error
+                    self._pause_cond.wait(timeout=0.05)
+            self._pause_owner.depth = getattr(self._pause_owner, "depth", 0) + 1
+            try:
+                yield
+            finally:
+                self._pause_owner.depth -= 1
+        finally:
+            with self._pause_cond:
+                self._pause_holders -= 1
+                self._pause_cond.notify_all()
+
+    def _run_generation_loop(self, use_inference_mode: bool, num_threads: int) -> None:
+        # The caller's torch thread count, set explicitly in this thread, so the loop runs with the caller's choice
+        # rather than whatever OpenMP gives a new thread. (Some runs here measured torch ops 20-35% slower in a new
+        # thread without it; bench/test_bench_linear.py::test_threads tracks it, and it does not always reproduce.)
+        torch.set_num_threads(num_threads)
+        engine = self.engine
+        self._steps_at_start = engine.counters["steps"]
+        try:
+            with torch.inference_mode(use_inference_mode):
+                engine.notice_weight_changes()  # since the last session of a kept manager
+                while True:
+                    if self._park_while_paused():
+                        engine.notice_weight_changes()  # weights change only inside a pause (or between sessions)
+                    self._take_new_requests()
+                    self._apply_cancellations()
+                    if self._stop_mode == StopMode.HARD:
+                        self._end_all("the manager was stopped with hard_stop=True before this request finished")
+                        break
+                    if not engine.has_work():
+                        # add_request is refused once stop() began (same lock), so an empty queue stays empty.
+                        if self._stop_mode == StopMode.FLUSH and self.input_queue.empty():
+                            break
+                        self._wake_up_loop.wait(timeout=0.1)
+                        self._wake_up_loop.clear()
+                        continue
+                    self._deliver(engine.step())
+        except BaseException as error:  # noqa: BLE001 - the loop must report, not vanish
+            logger.exception("cbcore generation loop crashed")
+            with self._requests.lock:
+                self.background_thread_status.fatal_error = error
+                self._requests.closed_reason = (
+                    f"the generation loop died ({type(error).__name__}: {error}); call start() again"
+                )
+            self._engine_needs_rebuild = True
+            try:
+                self._end_all(f"the generation loop crashed: {type(error).__name__}: {error}")
+            except BaseException:  # noqa: BLE001 - still hand the model back and wake every waiter below
+                logger.exception("cbcore: failing the pending requests after a crash failed")
+        finally:
+            # Only now, with no step in flight, may the model be handed back (stop(block=False) returns earlier).
+            self._restore_attn()
+            if self._destroyed:  # destroyed while it finished (after stop(block=False))
+                self._release()
+            with self._pause_cond:
+                self._pause_cond.notify_all()
+            self.output_router.wake_all()
+
+    def _park_while_paused(self) -> bool:
+        """Between two steps: while anyone holds the pause, stay parked (and say so). Whether it parked."""
+        with self._pause_cond:
+            if not self._pause_holders:
+                return False
+            self._loop_parked = True
+            self._pause_cond.notify_all()
+            self._pause_cond.wait_for(lambda: self._pause_holders == 0)
+            self._loop_parked = False
+            return True
+
+    def _take_new_requests(self) -> None:
+        """Move every queued request into the engine (which checks its prompt), or end it CANCELLED when a cancel
+        marked it while it was queued."""
+        while True:
+            try:
+                state = self.input_queue.get_nowait()
+            except queue.Empty:
+                return
+            if self._requests.take_in(state):
+                self._deliver(self.engine.end_unadmitted(state, RequestStatus.CANCELLED))
+            else:
+                self._deliver(self.engine.add_request(state))
+
+    def _apply_cancellations(self) -> None:
+        """Abort every request whose cancel arrived after the loop had taken it in."""
+        while True:
+            try:
+                request_id = self.cancel_queue.get_nowait()
+            except queue.Empty:
+                return
+            self._deliver(self.engine.abort(request_id))
+
+    def _end_all(self, reason: str) -> None:
+        """Fail every request still held (queued here, waiting or running), keeping their partial tokens."""
+        queued = []
+        while True:
+            try:
+                state = self.input_queue.get_nowait()
+            except queue.Empty:
+                break
+            self._requests.take_in(state)
+            queued.append(state)
+        if self.engine is not None:
+            self._deliver(self.engine.fail_all(reason, queued))
+
+    def _deliver(self, outputs: list[GenerationOutput]) -> None:
+        """Hand the engine's outputs to the router; a terminal output frees its id from this moment."""
+        for output in outputs:
+            if output.is_finished():
+                self._requests.ended(output.request_id)
+            self.output_router.deliver(output)

@@ -1,0 +1,178 @@
+"""Adding and cancelling requests on a manager, on the caller's thread: arguments checked, an id, the input queue.
+
+Everything the caller can be told at once is raised by `add_request` itself, before anything is queued: a malformed
+argument (`request_inputs` names it), an id still in flight, a manager that does not accept requests. What only the
+engine can judge (the prompt against the vocabulary, the cache, the position table) ends that request alone with a
+FAILED output, on the loop thread. A request is queued under the same lock as `stop()` closes the manager, so it is
+either queued before stopping began (and served) or refused.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from typing import Any
+
+from .. import request_inputs
+from ..requests import RequestState
+
+# How long add_request waits for room in a full input queue (max_queue_size) before raising queue.Full, as transformers.
+ADD_REQUEST_TIMEOUT_S = 10.0
+
+
+class RequestSubmission:
+    """The half of `ContinuousBatchingManager` that callers use to add and cancel requests. The state it shares with
+    the loop (the input and cancel queues, the request registry, the wake-up event) is created by
+    `ContinuousBatchingManager.__init__`."""
+
+    def add_request(
+        self,
+        input_ids: list[int],
+        request_id: str | None = None,
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        record_timestamps: bool = False,
+        eos_token_id: int | list[int] | None = None,
+        **logit_processor_kwargs: Any,
+    ) -> str | None:
+        """Queue a request; returns its id (`req_<n>` unless given; automatic ids skip ids in use).
+
+        Raised here, before anything is queued, naming the argument: a wrong type (`TypeError`: token ids that are
+        not ints, `max_new_tokens="5"` or `2.5`, a non-str `request_id`), a value out of range (`ValueError`:
+        `max_new_tokens < 1`, a per-request temperature of 0), an id that is still in flight (`ValueError`: two live
+        requests with one id would be indistinguishable to anyone routing outputs by id), and a manager that does not
+        accept requests (`RuntimeError`: stopping, stopped, crashed or destroyed). Token ids may be a list of ints, or
+        a 1-D integer tensor or numpy array.
+
+        Problems of the prompt itself (empty, ids outside the vocabulary, longer than the cache or the model's
+        position table) end this request alone with a FAILED output naming it, so one bad prompt of a batch does not
+        stop the others. Raises `queue.Full` when `max_queue_size` is reached and no slot frees up within 10 s (as
+        transformers does)."""
+        request_id = request_inputs.request_id(request_id)
+        label = f"request {request_id}" if request_id is not None else "add_request"
+        state = self._new_state(
+            request_inputs.token_ids(input_ids, f"{label}: input_ids"),
+            request_id,
+            request_inputs.max_new_tokens(max_new_tokens, f"{label}: max_new_tokens"),
+            bool(streaming),
+            bool(record_timestamps),
+            request_inputs.eos_token_id(eos_token_id, f"{label}: eos_token_id"),
+            self._checked_processor_kwargs(logit_processor_kwargs, label),
+        )
+        with self._requests.lock:
+            self._check_accepting()
+            self._requests.register(state)
+        self._enqueue(state)
+        return state.request_id
+
+    def add_requests(
+        self,
+        inputs: list[list[int]],
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        record_timestamps: bool = False,
+        **logit_processor_kwargs: Any,
+    ) -> list[str]:
+        """Queue several requests; returns their ids in input order. Every argument is checked before any request is
+        queued (errors name the prompt's index); `inputs` may be a list of prompts or a 2-D integer tensor / array.
+        With prefix sharing, they are queued sorted by content (as transformers does) so that requests sharing a
+        prefix run one after another."""
+        prompts = request_inputs.batch_of_token_ids(inputs)
+        max_new_tokens = request_inputs.max_new_tokens(max_new_tokens, "add_requests: max_new_tokens")
+        kwargs = self._checked_processor_kwargs(logit_processor_kwargs, "add_requests")
+        eos = self.default_eos_token_id
+        states = [
+            self._new_state(prompt, None, max_new_tokens, bool(streaming), bool(record_timestamps), eos, kwargs)
+            for prompt in prompts
+        ]
+        with self._requests.lock:
+            self._check_accepting()
+            for state in states:
+                self._requests.register(state)
+        request_ids = [state.request_id for state in states]
+        ordered = sorted(states, key=lambda s: s.initial_tokens, reverse=True) if self._use_prefix_sharing else states
+        for index, state in enumerate(ordered):
+            try:
+                self._enqueue(state)
+            except BaseException:
+                with self._requests.lock:
+                    for unqueued in ordered[index + 1 :]:
+                        self._requests.unregister(unqueued)
+                raise
+        return request_ids
+
+    def cancel_request(self, request_id: str) -> None:
+        """Cancel a request, whether it is queued, waiting or running (a child `req_<n>__child#<i>` too, before or
+        after its fork): its blocks are freed and it ends with one CANCELLED output (transformers sends none).
+        Cancelling an id that already ended, or never existed, does nothing."""
+        with self._requests.lock:
+            marked = self._requests.mark_cancelled_if_queued(request_id)
+        if not marked:
+            self.cancel_queue.put(request_id)
+        self._wake_up_loop.set()
+
+    def _checked_processor_kwargs(self, kwargs: dict[str, Any], label: str) -> dict[str, Any]:
+        return request_inputs.processor_kwargs(
+            kwargs,
+            self.continuous_batching_config.per_request_processors,
+            # The processors, per-request ones included, exist when the config sampled at construction (as in
+            # transformers, whose per-request keys come from the processors built in its constructor).
+            bool(self._prepared_generation_config.do_sample),
+            label,
+        )
+
+    def _new_state(
+        self,
+        prompt: list[int],
+        request_id: str | None,
+        max_new_tokens: int | None,
+        streaming: bool,
+        record_timestamps: bool,
+        eos_token_id: int | list[int] | None,
+        kwargs: dict[str, Any],
+    ) -> RequestState:
+        """A request not yet queued; an automatic id is given when it is registered."""
+        if max_new_tokens is None:
+            max_new_tokens = self.generation_config.max_new_tokens
+        return RequestState(
+            request_id=request_id or "",
+            initial_tokens=prompt,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=self.default_eos_token_id if eos_token_id is None else eos_token_id,
+            streaming=streaming,
+            record_timestamps=record_timestamps,
+            num_children=self.num_return_sequences - 1,
+            logit_processor_kwargs=kwargs,
+        )
+
+    def _check_accepting(self) -> None:
+        """Under the registry's lock: raise when requests are not accepted now."""
+        if self._requests.closed_reason is not None:
+            fatal = self.background_thread_status.fatal_error
+            raise RuntimeError(f"cannot add a request: {self._requests.closed_reason}") from fatal
+
+    def _enqueue(self, state: RequestState) -> None:
+        """Put a registered request on the input queue, waiting (bounded) for room. Checked under the same lock as
+        `stop()` closes the manager, so a request is either queued before stopping began (and served) or refused."""
+        deadline = time.monotonic() + ADD_REQUEST_TIMEOUT_S
+        while True:
+            with self._requests.lock:
+                try:
+                    self._check_accepting()
+                    self.input_queue.put_nowait(state)
+                except queue.Full:
+                    pass
+                except BaseException:
+                    self._requests.unregister(state)
+                    raise
+                else:
+                    self._requests.mark_queued(state)
+                    self._wake_up_loop.set()
+                    return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                with self._requests.lock:
+                    self._requests.unregister(state)
+                raise queue.Full(f"request {state.request_id}: the input queue is full (max_queue_size)")
+            with self.input_queue.not_full:
+                self.input_queue.not_full.wait(timeout=min(remaining, 0.05))
