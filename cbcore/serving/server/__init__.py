@@ -8,7 +8,7 @@
 | `generation.py` | one request's lifecycle on the manager: add its choices, stream snapshots, stop, cancel, usage |
 | `metrics.py` | the Prometheus metrics (`/metrics`) |
 | `app.py` | the FastAPI routes, auth, backpressure, engine-death watchdog, response and SSE chunk bodies |
-| `launch.py` | building the manager from the command line and running uvicorn (`serve` in `cbcore/cli.py`) |
+| `launch.py` | building the manager from the command line and running uvicorn (`serve` in `cbcore/cli/serve.py`) |
 
 Importing this package needs the `serve` extra (fastapi, uvicorn, prometheus_client).
 """
