@@ -32,14 +32,15 @@ class BlockCopies:
         return bool(self.device_to_device or self.device_to_host or self.host_to_device)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class PlannedRequest:
-    """One request's share of a step: run `token_ids` at positions `start, start + 1, ...` over `block_table`."""
+    """One request's share of a step: run `token_ids` at positions `start, start + 1, ...` over `block_table` (a
+    copy: the request's own table may grow before the next step). Slotted, not frozen: a step plans hundreds."""
 
     request_id: str
-    token_ids: tuple[int, ...]
+    token_ids: list[int]
     start: int  # the position of token_ids[0]: the tokens the request has computed so far
-    block_table: tuple[int, ...]
+    block_table: list[int]
     emits_token: bool  # the last row reaches the end of the request's known tokens: it yields the next token
 
     @property

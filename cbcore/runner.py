@@ -36,7 +36,7 @@ class StepResult:
 def _block_table_tensor(requests: list[PlannedRequest], device: torch.device) -> torch.Tensor:
     """`[len(requests), max_blocks]` int32 block table; padding is block 0, never read past a request's length."""
     width = max((len(request.block_table) for request in requests), default=1)
-    rows = [request.block_table + (0,) * (width - len(request.block_table)) for request in requests]
+    rows = [request.block_table + [0] * (width - len(request.block_table)) for request in requests]
     return torch.tensor(rows, dtype=torch.int32, device=device).view(len(requests), width)
 
 

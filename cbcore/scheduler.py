@@ -29,7 +29,7 @@ from .requests import RequestState, RequestStatus, child_request_id
 from .sampling import SEED_KWARG
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step: run `num_tokens` tokens starting at its `num_computed_tokens`."""
 
@@ -68,11 +68,10 @@ class ScheduledBatch:
         requests = []
         for item in self.requests:
             state = item.state
-            start = state.num_computed_tokens
-            requests.append(PlannedRequest(
-                state.request_id, tuple(state.all_tokens[start : start + item.num_tokens]), start,
-                tuple(state.block_table), item.emits_token,
-            ))
+            start, end = state.num_computed_tokens, state.num_computed_tokens + item.num_tokens
+            tokens = state.all_tokens
+            requests.append(PlannedRequest(state.request_id, tokens[start:end], start, state.block_table[:],
+                                           end == len(tokens)))
         return StepPlan(requests, self.copies)
 
 
@@ -177,15 +176,19 @@ class Scheduler:
             if state not in batch.preempted:  # not preempted by an earlier fork
                 self._fork(state, batch)
 
+        page = self.cache.page_size
         for state in self.order.running_order(self.running):
             if token_budget == 0 or len(batch.requests) == self.max_requests_per_batch:
                 break
-            if state in batch.preempted:  # preempted earlier in this loop (a short list; identity comparison)
+            if batch.preempted and state in batch.preempted:  # preempted earlier in this loop (identity comparison)
                 continue
             num_tokens = min(self._tokens_before_fork(state), token_budget)
             if num_tokens == 0:  # waits for its children to be forked (next step)
                 continue
-            if not self._make_room(state, state.num_computed_tokens + num_tokens, scheduled, batch):
+            end = state.num_computed_tokens + num_tokens
+            # Most decode steps stay inside the request's last block: no block to find, nobody to preempt.
+            fits = -(-end // page) <= len(state.block_table)
+            if not fits and not self._make_room(state, end, scheduled, batch):
                 continue
             batch.requests.append(ScheduledRequest(state, num_tokens))
             scheduled.add(id(state))

@@ -278,7 +278,8 @@ class EngineCore:
             logprobs = result.logprobs or [None] * len(result.tokens)
             for item, token, logprob in zip(result.emitted, result.tokens, logprobs):
                 state = item.state
-                state.status = RequestStatus.DECODING
+                if state.status != RequestStatus.DECODING:  # the setter stamps times: only on a change
+                    state.status = RequestStatus.DECODING
                 self.counters["generated_tokens"] += 1
                 if state.append_token(token, logprob):
                     outputs += self._end(state, RequestStatus.FINISHED)
@@ -304,15 +305,25 @@ class EngineCore:
         return first_results + second_results, first_failures + second_failures
 
     def _account(self, batch: ScheduledBatch) -> None:
-        counters = self.counters
-        counters["steps"] += 1
+        # Summed locally and added once: this runs for every request of every step.
+        computed = prompt_tokens = recomputed = 0
         for item in batch.requests:
             state = item.state
-            start, end = state.num_computed_tokens, state.num_computed_tokens + item.num_tokens
-            counters["computed_tokens"] += item.num_tokens
-            counters["computed_prompt_tokens"] += max(0, min(end, len(state.initial_tokens)) - start)
-            counters["recomputed_tokens"] += max(0, min(end, state.max_computed_tokens) - start)
-            state.max_computed_tokens = max(state.max_computed_tokens, end)
+            start = state.num_computed_tokens
+            end = start + item.num_tokens
+            computed += item.num_tokens
+            prompt_length = len(state.initial_tokens)
+            if start < prompt_length:
+                prompt_tokens += min(end, prompt_length) - start
+            if start < state.max_computed_tokens:
+                recomputed += min(end, state.max_computed_tokens) - start
+            if end > state.max_computed_tokens:
+                state.max_computed_tokens = end
+        counters = self.counters
+        counters["steps"] += 1
+        counters["computed_tokens"] += computed
+        counters["computed_prompt_tokens"] += prompt_tokens
+        counters["recomputed_tokens"] += recomputed
 
     def _end(self, state: RequestState, status: RequestStatus, track: bool = True) -> list[GenerationOutput]:
         """A request's one terminal output, its blocks released; children it has not forked yet end with it, with
