@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .sampling import IGNORED_KWARGS, PER_REQUEST_KWARGS, SEED_KWARG
+from .sampling import IGNORED_KWARGS, MAX_TOP_LOGPROBS, PER_REQUEST_KWARGS, SEED_KWARG, TOP_LOGPROBS_KWARG
 
 
 def _is_integer_array(value: Any) -> bool:
@@ -143,9 +143,9 @@ def processor_kwargs(kwargs: dict[str, Any], per_request_processors: bool, do_sa
             f"{what}: logits-processor kwargs {sorted(kwargs)} need per_request_processors=True in the "
             "ContinuousBatchingConfig"
         )
-    unknown = sorted(set(kwargs) - set(PER_REQUEST_KWARGS) - set(IGNORED_KWARGS) - {SEED_KWARG})
+    unknown = sorted(set(kwargs) - set(PER_REQUEST_KWARGS) - set(IGNORED_KWARGS) - {SEED_KWARG, TOP_LOGPROBS_KWARG})
     if unknown:
-        supported = sorted([*PER_REQUEST_KWARGS, SEED_KWARG])
+        supported = sorted([*PER_REQUEST_KWARGS, SEED_KWARG, TOP_LOGPROBS_KWARG])
         raise TypeError(f"{what}: unknown logits-processor kwargs {unknown}; supported: {supported}")
     normalised = dict(kwargs)
     if SEED_KWARG in kwargs:
@@ -155,6 +155,13 @@ def processor_kwargs(kwargs: dict[str, Any], per_request_processors: bool, do_sa
         if not 0 <= seed < 2**63:
             raise ValueError(f"{what}: seed must be in [0, 2**63), got {seed}")
         normalised[SEED_KWARG] = seed
+    if TOP_LOGPROBS_KWARG in kwargs:
+        count = _as_int(kwargs[TOP_LOGPROBS_KWARG])
+        if count is None:
+            raise TypeError(f"{what}: top_logprobs must be an int, got {kwargs[TOP_LOGPROBS_KWARG]!r}")
+        if not 0 <= count <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"{what}: top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {count}")
+        normalised[TOP_LOGPROBS_KWARG] = count
     if "top_k" in kwargs:
         top_k = _as_int(kwargs["top_k"])
         if top_k is None:

@@ -43,6 +43,9 @@ class GenerationOutput:
         created_time: `time.perf_counter()` when the request was created.
         lifespan: (time the request left PENDING, time it ended), -1 where not reached.
         timestamps: one `perf_counter()` stamp per generated token when `record_timestamps` was asked, else None.
+    cbcore's addition:
+        top_logprobs: for a request with the per-request kwarg `top_logprobs=n`, per generated token the (token ids,
+            logprobs) of the model's n most likely tokens (raw logits; see cbcore/sampling.py); else empty.
     """
 
     request_id: str
@@ -54,6 +57,7 @@ class GenerationOutput:
     created_time: float = field(default_factory=time.perf_counter)
     lifespan: tuple[float, float] = (-1, -1)
     timestamps: list[float] | None = None
+    top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
 
     def is_finished(self) -> bool:
         """Whether the request reached a terminal state (finished, failed or cancelled)."""
@@ -89,6 +93,7 @@ class RequestState:
 
     generated_tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
     error: str | None = None
     created_time: float = field(default_factory=time.perf_counter)
     lifespan: tuple[float, float] = (-1, -1)
@@ -169,14 +174,18 @@ class RequestState:
         """Whether the request reached a terminal status."""
         return self._status >= RequestStatus.FINISHED
 
-    def append_token(self, token_id: int, logprob: float | None) -> bool:
-        """Record a generated token; return True when the request is now complete (EOS or max_new_tokens)."""
+    def append_token(self, token_id: int, logprob: float | None,
+                     top_logprobs: tuple[list[int], list[float]] | None = None) -> bool:
+        """Record a generated token (with its logprob and its step's most likely alternatives, when computed);
+        return True when the request is now complete (EOS or max_new_tokens)."""
         if self.record_timestamps:
             self._timestamps.append(time.perf_counter())
         self.generated_tokens.append(token_id)
         self.all_tokens.append(token_id)
         if logprob is not None:
             self.logprobs.append(logprob)
+        if top_logprobs is not None:
+            self.top_logprobs.append(top_logprobs)
         return token_id in self.eos_token_ids or len(self.generated_tokens) >= self.new_tokens_limit
 
     def fork_child(self, request_id: str) -> RequestState:
@@ -194,6 +203,7 @@ class RequestState:
         child.all_tokens = list(self.all_tokens)
         child.generated_tokens = list(self.generated_tokens)
         child.logprobs = list(self.logprobs)
+        child.top_logprobs = list(self.top_logprobs)
         child._status = self._status
         child.lifespan = (child.created_time, -1)
         return child
@@ -205,6 +215,7 @@ class RequestState:
             prompt_ids=list(self.initial_tokens),
             generated_tokens=list(self.generated_tokens),
             logprobs=list(self.logprobs),
+            top_logprobs=list(self.top_logprobs),
             error=self.error,
             status=self._status,
             created_time=self.created_time,

@@ -31,6 +31,8 @@ class StepResult:
     emitted: list[ScheduledRequest]
     tokens: list[int]
     logprobs: list[float] | None
+    # Per emitted row, (token ids, logprobs) of its `top_logprobs` most likely tokens; None when no row asked.
+    top_logprobs: list[tuple[list[int], list[float]] | None] | None = None
 
 
 def _block_table_tensor(requests: list[PlannedRequest], device: torch.device) -> torch.Tensor:
@@ -170,7 +172,7 @@ class ModelRunner:
         if not emitted:
             return StepResult([], [], None)
         generators = [self._generator_of(item.state) for item in emitted]
-        tokens, logprobs = self.sampler.sample(
+        tokens, logprobs, top_logprobs = self.sampler.sample(
             logits,
             [item.state.all_tokens for item in emitted],
             [len(item.state.initial_tokens) for item in emitted],
@@ -178,4 +180,4 @@ class ModelRunner:
             [item.state.max_new_tokens for item in emitted],
             generators if any(g is not None for g in generators) else None,  # None: no per-row draw at all
         )
-        return StepResult(emitted, tokens, logprobs)
+        return StepResult(emitted, tokens, logprobs, top_logprobs)

@@ -9,6 +9,12 @@ per-row work is done at all.
 
 With `per_request_processors`, a request may carry its own `temperature`, `top_k` and `top_p` (transformers' three
 per-request kwargs, same types); its processors are then built from the generation config with those values.
+
+Log-probabilities: with `return_logprobs`, each chosen token's log-probability under the distribution it was drawn
+from (the processed scores), as transformers reports them. A request carrying `top_logprobs=n` (cbcore's per-request
+kwarg, what the OpenAI server sends) gets the model's own log-probabilities instead, as vLLM's default
+(`raw_logprobs`) and OpenAI report them: of the raw logits, before any processor, temperature or top-k/top-p, for the
+chosen token and for the n most likely tokens of each step (n = 0: the chosen token's only).
 """
 
 from __future__ import annotations
@@ -28,6 +34,10 @@ IGNORED_KWARGS = ("filter_value", "min_tokens_to_keep")
 # A request's own seed (cbcore's addition, as vLLM's `seed`): its tokens are drawn from a generator of its own, so
 # they are the same whatever else shares its steps. Not a processor setting.
 SEED_KWARG = "seed"
+# A request's own count of alternatives (cbcore's addition, the OpenAI server's `top_logprobs`): the model's raw
+# log-probabilities of its chosen tokens and of this many most likely tokens at each step. Not a processor setting.
+TOP_LOGPROBS_KWARG = "top_logprobs"
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 # How many processor lists (one per prompt length, token limit and per-request values) the sampler keeps built.
 MAX_CACHED_PROCESSOR_LISTS = 1024
 
@@ -106,12 +116,15 @@ class Sampler:
         request_kwargs: list[dict] | None = None,
         max_new_tokens: list[int | None] | None = None,
         generators: list[torch.Generator | None] | None = None,
-    ) -> tuple[list[int], list[float] | None]:
+    ) -> tuple[list[int], list[float] | None, list[tuple[list[int], list[float]] | None] | None]:
         """Pick one token per row of `logits` `[rows, vocab]`; `histories[i]` is row i's prompt + generated tokens,
         `prompt_lengths[i]` its prompt's length, `request_kwargs[i]` its per-request processor kwargs and
         `max_new_tokens[i]` its token limit and `generators[i]` its own generator (a request with a `seed`), or None
-        for the sampler's shared one."""
-        scores = logits.float()
+        for the sampler's shared one. Returns the tokens, their logprobs (None without `return_logprobs`) and, per
+        row, the (token ids, logprobs) of its `top_logprobs` most likely tokens (None for a row that did not ask; the
+        whole list None when no row did)."""
+        raw = logits.float()
+        scores = raw
         kwargs_per_row = request_kwargs or [{}] * len(histories)
         limits = max_new_tokens or [None] * len(histories)
         if not self.switch.cleared and (self.has_processors or any(kwargs_per_row)):
@@ -136,4 +149,27 @@ class Sampler:
         if self.return_logprobs:
             log_softmax = torch.log_softmax(scores, dim=-1).cpu()
             logprobs = log_softmax.gather(1, tokens.view(-1, 1)).squeeze(1).tolist()
-        return tokens.tolist(), logprobs
+        top = None
+        asking = [row for row, kwargs in enumerate(kwargs_per_row) if TOP_LOGPROBS_KWARG in kwargs]
+        if asking:
+            top, raw_logprobs = self._model_logprobs(raw, tokens, asking, kwargs_per_row)
+            if logprobs is not None:
+                for row, logprob in raw_logprobs.items():
+                    logprobs[row] = logprob
+        return tokens.tolist(), logprobs, top
+
+    @staticmethod
+    def _model_logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[int], kwargs_per_row: list[dict]):
+        """For the rows asking `top_logprobs`: their n most likely tokens with the model's own log-probabilities,
+        and the chosen token's (of the raw logits, before any processing)."""
+        index = torch.tensor(rows, dtype=torch.long)
+        log_softmax = torch.log_softmax(raw.index_select(0, index.to(raw.device)), dim=-1).cpu()
+        chosen = log_softmax.gather(1, tokens.index_select(0, index).view(-1, 1)).squeeze(1).tolist()
+        widest = max(kwargs_per_row[row][TOP_LOGPROBS_KWARG] for row in rows)
+        values, ids = log_softmax.topk(widest, dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+        top: list[tuple[list[int], list[float]] | None] = [None] * len(kwargs_per_row)
+        for position, row in enumerate(rows):
+            n = kwargs_per_row[row][TOP_LOGPROBS_KWARG]
+            top[row] = (ids[position][:n], values[position][:n])
+        return top, {row: chosen[position] for position, row in enumerate(rows)}

@@ -98,3 +98,40 @@ def test_a_request_with_its_own_seed_draws_the_same_tokens_whatever_shares_its_s
                   + [{"input_ids": prompt, "seed": 7}, {"input_ids": prompt, "seed": 8}])
     assert crowd[3] == alone
     assert crowd[4] != alone
+
+
+def test_top_logprobs_are_the_models_own_before_temperature_and_top_k() -> None:
+    """A request with `top_logprobs=n` gets, per generated token, the model's n most likely tokens with the
+    log-softmax of the raw logits (and that chosen-token logprob), whatever its temperature and top-k; a request
+    without it keeps the logprobs of the distribution it was drawn from. Out-of-range values raise in add_request."""
+    import pytest
+    import torch
+
+    from conftest import collect_outputs
+
+    model = tiny_model("llama_gqa")
+    config = GenerationConfig(max_new_tokens=4, do_sample=True, temperature=0.3, top_k=5, eos_token_id=None,
+                              pad_token_id=0)
+    prompt = random_prompts([6], seed=34)[0]
+    manager = cbcore.ContinuousBatchingManager(model, config, cbcore.ContinuousBatchingConfig(
+        page_size=4, num_blocks=64, per_request_processors=True, return_logprobs=True))
+    manager.start()
+    try:
+        with pytest.raises(ValueError, match="top_logprobs must be in"):
+            manager.add_request(prompt, top_logprobs=21)
+        ids = [manager.add_request(prompt, top_logprobs=3, seed=1), manager.add_request(prompt, seed=1)]
+        outputs = collect_outputs(manager, ids)
+    finally:
+        manager.stop(block=True, timeout=60)
+    asked, plain = outputs[ids[0]], outputs[ids[1]]
+    assert asked.generated_tokens == plain.generated_tokens  # the same draws: reporting changes no token
+    assert len(asked.top_logprobs) == 4 and plain.top_logprobs == []
+    with torch.no_grad():
+        rows = model(torch.tensor([prompt + asked.generated_tokens])).logits[0].float().log_softmax(-1)
+    for i, (token, (top_ids, top_values)) in enumerate(zip(asked.generated_tokens, asked.top_logprobs)):
+        row = rows[len(prompt) - 1 + i]
+        values, best = row.topk(3)
+        assert top_ids == best.tolist() and top_values == pytest.approx(values.tolist(), abs=1e-4)
+        assert asked.logprobs[i] == pytest.approx(row[token].item(), abs=1e-4)
+    # Drawn at temperature 0.3 among the top 5: the drawn distribution is sharper than the model's.
+    assert any(p > a + 1e-3 for p, a in zip(plain.logprobs, asked.logprobs))

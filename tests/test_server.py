@@ -328,6 +328,36 @@ def test_logprobs_cover_every_chosen_token(client) -> None:
     assert all(t.logprob <= 0 and t.top_logprobs == [] for t in content)
 
 
+def test_top_logprobs_are_the_models_own_whatever_the_temperature(client, reference_model) -> None:
+    """The chosen token's logprob and the n most likely alternatives, from the raw logits (OpenAI's and vLLM's
+    meaning): greedy (temperature 0) included, where the chosen token is the most likely one."""
+    prompt = [10, 11, 12, 13]
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, logprobs=3,
+                                    extra_body={"return_tokens_as_token_ids": True})
+    logprobs = out.choices[0].logprobs
+    ids = [int(t.removeprefix("token_id:")) for t in logprobs.tokens]
+    with torch.no_grad():
+        model_logprobs = reference_model(torch.tensor([prompt + ids])).logits[0].log_softmax(-1)
+    for i, (token, alternatives) in enumerate(zip(ids, logprobs.top_logprobs)):
+        row = model_logprobs[len(prompt) - 1 + i]
+        values, best = row.topk(3)
+        assert list(alternatives) == [f"token_id:{t}" for t in best.tolist()]
+        assert list(alternatives.values()) == pytest.approx(values.tolist(), abs=1e-3)
+        assert token == best[0].item() and logprobs.token_logprobs[i] == pytest.approx(row[token].item(), abs=1e-3)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                          temperature=0.7, logprobs=True, top_logprobs=2)
+    for item in chat.choices[0].logprobs.content:
+        assert len(item.top_logprobs) == 2 and item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+        assert item.logprob <= item.top_logprobs[0].logprob + 1e-6
+    streamed = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                              max_tokens=3, temperature=0, logprobs=True, top_logprobs=1,
+                                              stream=True)
+    items = [item for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
+             for item in chunk.choices[0].logprobs.content]
+    assert items and all(len(item.top_logprobs) == 1 and item.top_logprobs[0].logprob == pytest.approx(item.logprob)
+                         for item in items)
+
+
 def test_logprobs_match_a_forward_of_the_model(client, reference_model) -> None:
     prompt = [10, 11, 12, 13]
     out = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=1.0, logprobs=0,
@@ -343,8 +373,7 @@ def test_logprobs_match_a_forward_of_the_model(client, reference_model) -> None:
     "path, body, param",
     [
         ("/v1/completions", {"prompt": "x", "seed": -1}, "seed"),
-        ("/v1/completions", {"prompt": "x", "logprobs": 2}, "logprobs"),
-        ("/v1/completions", {"prompt": "x", "temperature": 0, "logprobs": 0}, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 6}, "logprobs"),
         ("/v1/completions", {"prompt": "x", "temperature": 2.5}, "temperature"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 10_000}, "max_tokens"),
@@ -354,7 +383,9 @@ def test_logprobs_match_a_forward_of_the_model(client, reference_model) -> None:
         ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
-                                  "top_logprobs": 3}, "top_logprobs"),
+                                  "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+         "top_logprobs"),
         ("/v1/chat/completions", {"messages": "hi"}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
                                   "max_completion_tokens": 4}, "max_tokens"),

@@ -276,12 +276,13 @@ class EngineCore:
         self.scheduler.on_step_done(batch)
         for result in results:
             logprobs = result.logprobs or [None] * len(result.tokens)
-            for item, token, logprob in zip(result.emitted, result.tokens, logprobs):
+            tops = result.top_logprobs or [None] * len(result.tokens)
+            for item, token, logprob, top in zip(result.emitted, result.tokens, logprobs, tops):
                 state = item.state
                 if state.status != RequestStatus.DECODING:  # the setter stamps times: only on a change
                     state.status = RequestStatus.DECODING
                 self.counters["generated_tokens"] += 1
-                if state.append_token(token, logprob):
+                if state.append_token(token, logprob, top):
                     outputs += self._end(state, RequestStatus.FINISHED)
                 elif state.streaming:
                     outputs.append(state.to_generation_output())

@@ -304,6 +304,7 @@ async def _collect(generation: Generation) -> list[ChoiceText | str]:
         result.text += delta.text
         result.token_ids += delta.token_ids
         result.logprobs += delta.logprobs
+        result.top_logprobs += delta.top_logprobs
         result.finish_reason = delta.finish_reason or result.finish_reason
     return results
 
@@ -329,7 +330,7 @@ async def _stream(request: Request, generation: Generation, builder: ResponseBui
                                          "code": "generation_failed"}})
                     continue
                 yield sse(builder.delta_chunk(delta.index, delta.text, delta.token_ids, delta.logprobs,
-                                              delta.finish_reason, offsets[delta.index]))
+                                              delta.finish_reason, offsets[delta.index], delta.top_logprobs))
                 offsets[delta.index] += len(delta.text)
         except EngineUnavailable as error:
             outcome = "failed"

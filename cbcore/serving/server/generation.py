@@ -45,6 +45,8 @@ class Delta:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # Per token, the (token ids, logprobs) of the step's most likely tokens (`top_logprobs` > 0).
+    top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
 
@@ -194,9 +196,10 @@ class Generation:
             return None
         new_tokens = tokens[choice.tokens_sent :]
         new_logprobs = list(output.logprobs[choice.tokens_sent : len(tokens)]) if self.params.logprobs else []
+        new_top = list(output.top_logprobs[choice.tokens_sent : len(tokens)]) if self.params.top_logprobs else []
         choice.tokens_sent = len(tokens)
         self.metrics.generated_tokens.inc(len(new_tokens))
-        return Delta(choice.index, released, list(new_tokens), new_logprobs, finish_reason)
+        return Delta(choice.index, released, list(new_tokens), new_logprobs, new_top, finish_reason)
 
     def _observe_latency(self, choice: _Choice, num_tokens: int) -> None:
         new = num_tokens - choice.num_tokens

@@ -6,7 +6,11 @@ which the app answers with OpenAI's error body `{"error": {"message", "type", "p
 Unknown fields are ignored, as OpenAI ignores them. Known OpenAI fields that would change the result but that cbcore
 does not implement are refused with 400 when set to anything but their neutral value, never silently dropped
 (STYLE.md #11): `presence_penalty`, `frequency_penalty`, `logit_bias`, `best_of` > n, `echo`, `suffix`, `tools`,
-`response_format` other than text, `top_logprobs` / `logprobs` > 0 alternatives, `priority`.
+`response_format` other than text, `priority`.
+
+Logprobs are the model's own, as OpenAI and vLLM (its default `raw_logprobs`) report them: log-softmax of the raw
+logits, before temperature, top-k or top-p, for the chosen token and for the `top_logprobs` (chat, 0-20) or `logprobs`
+(completions, 0-5) most likely tokens of each step. So they are the same whatever the temperature, greedy included.
 
 `seed`: each choice draws its tokens from a generator of its own, seeded with `seed + choice index` (the manager's
 per-request `seed`), so the same request with the same seed gives the same text whatever else the server is doing;
@@ -62,6 +66,7 @@ class SamplingParams:
     n: int = 1
     stop: list[str] = field(default_factory=list)
     logprobs: bool = False  # the chosen token's logprob for every generated token
+    top_logprobs: int = 0  # and this many most likely alternatives at each step
     seed: int | None = None  # choice i draws from its own generator seeded with seed + i
     tokens_as_ids: bool = False  # vLLM's `return_tokens_as_token_ids`: logprob tokens as "token_id:<id>"
 
@@ -75,13 +80,14 @@ class SamplingParams:
         request (its generation config has `do_sample=True`), so greedy is `top_k=1`: the warper leaves one finite
         logit, which multinomial sampling then picks with probability 1, exactly the argmax (ties aside, as argmax
         would take the first). Temperature and top_p do not change which logit is largest, so they are left out."""
+        reported = {"top_logprobs": self.top_logprobs} if self.logprobs else {}  # the model's own logprobs
         if self.greedy:
-            return {"top_k": 1}
+            return {"top_k": 1, **reported}
         # Only what differs from the manager's own config (temperature 1, top_p 1, no top_k): a step whose rows all
         # carry no override skips the per-row processor loop entirely.
         kwargs = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
         neutral = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
-        return {name: value for name, value in kwargs.items() if value != neutral[name]}
+        return {**{name: value for name, value in kwargs.items() if value != neutral[name]}, **reported}
 
 
 @dataclass
@@ -206,7 +212,7 @@ def _user(body: dict) -> None:
         raise ProtocolError("'user' must be a string", param="user", code="invalid_type")
 
 
-def _sampling(body: dict, max_tokens: int | None, logprobs: bool) -> SamplingParams:
+def _sampling(body: dict, max_tokens: int | None, logprobs: bool, top_logprobs: int = 0) -> SamplingParams:
     temperature = _number_field(body, "temperature", 0.0, 2.0)
     top_p = _number_field(body, "top_p", 0.0, 1.0, low_open=True)
     top_k = _int_field(body, "top_k", -1)  # vLLM's extra field; -1 and 0 turn it off
@@ -220,16 +226,9 @@ def _sampling(body: dict, max_tokens: int | None, logprobs: bool) -> SamplingPar
         n=n or 1,
         stop=_stop(body),
         logprobs=logprobs,
+        top_logprobs=top_logprobs,
         seed=_int_field(body, "seed", 0, 2**62),
     )
-    if params.greedy and logprobs:
-        # The engine serves temperature 0 as top_k=1 sampling and reports the logprob of the distribution it sampled
-        # from, which is then 0.0 for every token: not the model's logprob, so it is refused rather than returned.
-        raise ProtocolError(
-            "logprobs with temperature=0 are not supported: greedy requests run as top_k=1 sampling, whose reported "
-            "logprob is always 0.0; use a temperature > 0 (temperature=1 reports the model's own logprobs)",
-            param="logprobs", code="unsupported_parameter",
-        )
     return params
 
 
@@ -244,27 +243,22 @@ def _body(body: Any) -> dict:
 
 def parse_completion(body: Any) -> CompletionRequest:
     """Check a `/v1/completions` body. `prompt`: a string, a list of strings, a list of token ids, or a list of
-    lists of token ids (each one prompt). `logprobs`: 0 (the chosen token's logprob only) or null; alternatives
-    (`logprobs` > 0) are refused."""
+    lists of token ids (each one prompt). `logprobs`: null (none), or the chosen token's logprob and this many
+    (0-5) most likely alternatives at each step."""
     body = _body(body)
     _refuse_unsupported(body, {"echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)})
     if _is_int(body.get("best_of")) and body["best_of"] != body.get("n", 1):
         raise ProtocolError("'best_of' is not supported", param="best_of", code="unsupported_parameter")
     prompts = _prompts(body.get("prompt"))
     logprobs = _int_field(body, "logprobs", 0, 5)
-    if logprobs:
-        raise ProtocolError(
-            f"'logprobs'={logprobs} asks for the {logprobs} most likely alternatives at each position, which the "
-            "engine does not compute (it reports the chosen token's logprob only); use logprobs=0",
-            param="logprobs", code="unsupported_parameter",
-        )
     max_tokens = _int_field(body, "max_tokens", 1)
     stream = _bool_field(body, "stream")
     _user(body)
     return CompletionRequest(
         model=_model(body),
         prompts=prompts,
-        params=_sampling(body, 16 if max_tokens is None else max_tokens, logprobs is not None),  # OpenAI's default: 16
+        # OpenAI's default max_tokens: 16
+        params=_sampling(body, 16 if max_tokens is None else max_tokens, logprobs is not None, logprobs or 0),
         stream=stream,
         include_usage=_stream_options(body, stream),
     )
@@ -292,7 +286,8 @@ def _prompts(value: Any) -> list[str | list[int]]:
 
 def parse_chat(body: Any) -> ChatRequest:
     """Check a `/v1/chat/completions` body. `messages`: role + content (a string or a list of text parts).
-    `logprobs`: true for the chosen token's logprob; `top_logprobs` > 0 is refused."""
+    `logprobs`: true for the chosen token's logprob; `top_logprobs` (0-20, needs `logprobs`): that many most likely
+    alternatives at each step."""
     body = _body(body)
     _refuse_unsupported(body, {"response_format": (None, {"type": "text"})})
     messages = _messages(body.get("messages"))
@@ -300,12 +295,6 @@ def parse_chat(body: Any) -> ChatRequest:
     top_logprobs = _int_field(body, "top_logprobs", 0, 20)
     if top_logprobs is not None and not logprobs:
         raise ProtocolError("'top_logprobs' needs 'logprobs' set to true", param="top_logprobs", code="invalid_value")
-    if top_logprobs:
-        raise ProtocolError(
-            f"'top_logprobs'={top_logprobs} is not supported: the engine reports the chosen token's logprob only; "
-            "use top_logprobs=0 or leave it out",
-            param="top_logprobs", code="unsupported_parameter",
-        )
     max_tokens = _int_field(body, "max_completion_tokens", 1)
     legacy = _int_field(body, "max_tokens", 1)
     if max_tokens is not None and legacy is not None and max_tokens != legacy:
@@ -316,7 +305,7 @@ def parse_chat(body: Any) -> ChatRequest:
     return ChatRequest(
         model=_model(body),
         messages=messages,
-        params=_sampling(body, max_tokens if max_tokens is not None else legacy, logprobs),
+        params=_sampling(body, max_tokens if max_tokens is not None else legacy, logprobs, top_logprobs or 0),
         stream=stream,
         include_usage=_stream_options(body, stream),
     )

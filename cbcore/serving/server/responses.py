@@ -2,8 +2,9 @@
 
 Shapes follow OpenAI's API reference (and what the `openai` client parses): ids `cmpl-…` / `chatcmpl-…`, `created`
 in Unix seconds, `object` `text_completion` / `chat.completion` / `chat.completion.chunk`, `usage` with
-prompt / completion / total tokens. Logprobs are the chosen token's only: completions' `top_logprobs` is null and
-chat's `top_logprobs` is an empty list (alternatives are refused at parse time).
+prompt / completion / total tokens. Logprobs: the chosen token's, and the request's `top_logprobs` (chat) /
+`logprobs` (completions) most likely alternatives of each step: chat's `top_logprobs` is a list of {token, logprob,
+bytes} (empty when none were asked), completions' a {token text: logprob} per position (null when none were asked).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class ChoiceText:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
     finish_reason: str | None = None
 
 
@@ -55,21 +57,34 @@ class ResponseBuilder:
 
     # --------------------------------------------------------------------------------------------- logprobs ----
 
-    def _logprobs(self, token_ids: list[int], logprobs: list[float], offset: int = 0) -> dict[str, Any] | None:
+    def _text(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.tokens_as_ids else self._detok.token_text(token_id)
+
+    @staticmethod
+    def _bytes(text: str) -> list[int] | None:
+        return None if "\ufffd" in text else list(text.encode("utf-8"))
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[float], offset: int = 0,
+                  top: list[tuple[list[int], list[float]]] | None = None) -> dict[str, Any] | None:
         if not self.logprobs:
             return None
-        texts = [f"token_id:{t}" if self.tokens_as_ids else self._detok.token_text(t) for t in token_ids]
+        texts = [self._text(t) for t in token_ids]
+        alternatives = [
+            [(self._text(t), lp) for t, lp in zip(ids, values)] for ids, values in (top or [])
+        ] or [None] * len(texts)
         if self.kind == "chat":
             return {"content": [
-                {"token": text, "logprob": lp, "top_logprobs": [],
-                 "bytes": None if "\ufffd" in text else list(text.encode("utf-8"))}
-                for text, lp in zip(texts, logprobs)
+                {"token": text, "logprob": lp, "bytes": self._bytes(text),
+                 "top_logprobs": [{"token": t, "logprob": v, "bytes": self._bytes(t)} for t, v in alts or ()]}
+                for text, lp, alts in zip(texts, logprobs, alternatives)
             ]}
         offsets = []
         for text in texts:
             offsets.append(offset)
             offset += len(text)
-        return {"tokens": texts, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+        top_logprobs = [dict(alts) for alts in alternatives] if top else None
+        return {"tokens": texts, "token_logprobs": list(logprobs), "top_logprobs": top_logprobs,
+                "text_offset": offsets}
 
     # ----------------------------------------------------------------------------------------------- whole ----
 
@@ -78,13 +93,15 @@ class ResponseBuilder:
         if self.kind == "chat":
             body_choices = [
                 {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                 "logprobs": self._logprobs(c.token_ids, c.logprobs), "finish_reason": c.finish_reason}
+                 "logprobs": self._logprobs(c.token_ids, c.logprobs, top=c.top_logprobs),
+                 "finish_reason": c.finish_reason}
                 for c in choices
             ]
             obj = "chat.completion"
         else:
             body_choices = [
-                {"index": c.index, "text": c.text, "logprobs": self._logprobs(c.token_ids, c.logprobs),
+                {"index": c.index, "text": c.text,
+                 "logprobs": self._logprobs(c.token_ids, c.logprobs, top=c.top_logprobs),
                  "finish_reason": c.finish_reason}
                 for c in choices
             ]
@@ -107,9 +124,10 @@ class ResponseBuilder:
                              "finish_reason": None}])
 
     def delta_chunk(self, index: int, text: str, token_ids: list[int], logprobs: list[float],
-                    finish_reason: str | None, text_offset: int = 0) -> dict[str, Any]:
+                    finish_reason: str | None, text_offset: int = 0,
+                    top_logprobs: list[tuple[list[int], list[float]]] | None = None) -> dict[str, Any]:
         """One streaming chunk: a choice's text delta (with its logprobs), or its finish_reason."""
-        lp = self._logprobs(token_ids, logprobs, text_offset) if token_ids else None
+        lp = self._logprobs(token_ids, logprobs, text_offset, top_logprobs) if token_ids else None
         if self.kind == "chat":
             delta = {"content": text} if text or finish_reason is None else {}
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
