@@ -19,8 +19,8 @@ import torch
 from . import ops
 from .attention import STEP_KWARG, StepMetadata, paged_step
 from .cache import PagedKVCache
-from .sampling import SEED_KWARG, Sampler
 from .plan import BlockCopies, PlannedRequest, StepPlan
+from .sampling import SEED_KWARG, Sampler
 from .scheduler import ScheduledBatch, ScheduledRequest
 
 
