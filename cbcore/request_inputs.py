@@ -25,7 +25,17 @@ from typing import Any
 
 import torch
 
-from .sampling import IGNORED_KWARGS, MAX_TOP_LOGPROBS, PER_REQUEST_KWARGS, SEED_KWARG, TOP_LOGPROBS_KWARG
+from .sampling import (
+    IGNORED_KWARGS,
+    MAX_TOP_LOGPROBS,
+    PER_REQUEST_KWARGS,
+    PRIORITY_KWARG,
+    SEED_KWARG,
+    TOP_LOGPROBS_KWARG,
+)
+
+# cbcore's per-request kwargs next to transformers' processor ones (see cbcore/sampling.py).
+_CBCORE_KWARGS = (SEED_KWARG, TOP_LOGPROBS_KWARG, PRIORITY_KWARG)
 
 
 def _is_integer_array(value: Any) -> bool:
@@ -143,9 +153,9 @@ def processor_kwargs(kwargs: dict[str, Any], per_request_processors: bool, do_sa
             f"{what}: logits-processor kwargs {sorted(kwargs)} need per_request_processors=True in the "
             "ContinuousBatchingConfig"
         )
-    unknown = sorted(set(kwargs) - set(PER_REQUEST_KWARGS) - set(IGNORED_KWARGS) - {SEED_KWARG, TOP_LOGPROBS_KWARG})
+    unknown = sorted(set(kwargs) - set(PER_REQUEST_KWARGS) - set(IGNORED_KWARGS) - set(_CBCORE_KWARGS))
     if unknown:
-        supported = sorted([*PER_REQUEST_KWARGS, SEED_KWARG, TOP_LOGPROBS_KWARG])
+        supported = sorted([*PER_REQUEST_KWARGS, *_CBCORE_KWARGS])
         raise TypeError(f"{what}: unknown logits-processor kwargs {unknown}; supported: {supported}")
     normalised = dict(kwargs)
     if SEED_KWARG in kwargs:
@@ -162,6 +172,11 @@ def processor_kwargs(kwargs: dict[str, Any], per_request_processors: bool, do_sa
         if not 0 <= count <= MAX_TOP_LOGPROBS:
             raise ValueError(f"{what}: top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {count}")
         normalised[TOP_LOGPROBS_KWARG] = count
+    if PRIORITY_KWARG in kwargs:
+        priority = _as_int(kwargs[PRIORITY_KWARG])
+        if priority is None:
+            raise TypeError(f"{what}: priority must be an int, got {kwargs[PRIORITY_KWARG]!r}")
+        normalised[PRIORITY_KWARG] = priority
     if "top_k" in kwargs:
         top_k = _as_int(kwargs["top_k"])
         if top_k is None:

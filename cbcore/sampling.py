@@ -38,6 +38,9 @@ SEED_KWARG = "seed"
 # log-probabilities of its chosen tokens and of this many most likely tokens at each step. Not a processor setting.
 TOP_LOGPROBS_KWARG = "top_logprobs"
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
+# A request's scheduling priority (cbcore's addition, vLLM's `priority`): lower is served first; read by the scheduler,
+# not by any processor.
+PRIORITY_KWARG = "priority"
 # How many processor lists (one per prompt length, token limit and per-request values) the sampler keeps built.
 MAX_CACHED_PROCESSOR_LISTS = 1024
 

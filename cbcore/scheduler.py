@@ -16,6 +16,11 @@ Two orders, as in transformers: "fifo" runs decodes first, then unfinished prefi
 arrival order and a request waiting for memory is never overtaken, so a large request cannot starve. The one
 exception: a request whose prompt starts with blocks that a running prefill is computing right now waits for them
 (and shares them) while the requests behind it go ahead.
+
+Priorities (a request's `priority` kwarg, vLLM's: lower first, default 0): running requests get the step's budget in
+(priority, policy order) order, the waiting queue is kept in (priority, arrival) order, a preempted request goes back
+first among its priority, and a victim is chosen among the least urgent running requests first, never one more urgent
+than the request that needs the blocks. With every priority equal (the default) this is exactly the order above.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from dataclasses import dataclass, field
 from .cache import PagedKVCache
 from .plan import BlockCopies, PlannedRequest, StepPlan
 from .requests import RequestState, RequestStatus, child_request_id
-from .sampling import SEED_KWARG
+from .sampling import PRIORITY_KWARG, SEED_KWARG
 
 
 @dataclass(slots=True)
@@ -113,6 +118,10 @@ def _is_prefilling(state: RequestState) -> bool:
     return state.num_uncomputed_tokens > 1 or not state.generated_tokens
 
 
+def _priority(state: RequestState) -> int:
+    return state.logit_processor_kwargs.get(PRIORITY_KWARG, 0)
+
+
 def _is_protected(state: RequestState) -> bool:
     """Preempted before, and no new token since: preempting it again would only repeat the same work."""
     return state.num_preemptions > 0 and len(state.generated_tokens) <= state.generated_at_last_preemption
@@ -145,8 +154,19 @@ class Scheduler:
     # ---- queue management --------------------------------------------------------------------------------------
 
     def add(self, state: RequestState) -> None:
-        """Queue a validated request."""
-        self.waiting.append(state)
+        """Queue a validated request: behind every waiting request of its priority or a more urgent one."""
+        priority = _priority(state)
+        if not self.waiting or _priority(self.waiting[-1]) <= priority:
+            self.waiting.append(state)  # the common case (equal priorities): arrival order
+            return
+        index = next(i for i, other in enumerate(self.waiting) if _priority(other) > priority)
+        self.waiting.insert(index, state)
+
+    def _requeue(self, state: RequestState) -> None:
+        """Put a preempted request back first among its priority (before later arrivals of the same priority)."""
+        priority = _priority(state)
+        index = next((i for i, other in enumerate(self.waiting) if _priority(other) >= priority), len(self.waiting))
+        self.waiting.insert(index, state)
 
     def has_work(self) -> bool:
         """Whether any request is waiting or running."""
@@ -177,7 +197,10 @@ class Scheduler:
                 self._fork(state, batch)
 
         page = self.cache.page_size
-        for state in self.order.running_order(self.running):
+        order = self.order.running_order(self.running)
+        if any(_priority(state) for state in order):
+            order.sort(key=_priority)  # stable: the policy's order within a priority
+        for state in order:
             if token_budget == 0 or len(batch.requests) == self.max_requests_per_batch:
                 break
             if batch.preempted and state in batch.preempted:  # preempted earlier in this loop (identity comparison)
@@ -324,10 +347,14 @@ class Scheduler:
         return False
 
     def _choose_victim(self, state: RequestState, scheduled: set[int]) -> RequestState | None:
-        """Policy: the most recently admitted request not already in this step's batch, skipping requests that were
-        preempted before and have not generated a token since (so a request cannot thrash). A request that is itself
-        protected may preempt protected ones: someone must make progress. None: `state` should yield instead."""
-        candidates = [r for r in reversed(self.running) if r is not state and id(r) not in scheduled]
+        """Policy: the most recently admitted request not already in this step's batch, among the least urgent
+        (highest `priority`) first and never one more urgent than `state`, skipping requests that were preempted
+        before and have not generated a token since (so a request cannot thrash). A request that is itself protected
+        may preempt protected ones: someone must make progress. None: `state` should yield instead."""
+        priority = _priority(state)
+        candidates = [r for r in reversed(self.running)
+                      if r is not state and id(r) not in scheduled and _priority(r) >= priority]
+        candidates.sort(key=_priority, reverse=True)  # stable: most recently admitted first within a priority
         for candidate in candidates:
             if not _is_protected(candidate):
                 return candidate
@@ -347,7 +374,7 @@ class Scheduler:
         state.generated_at_last_preemption = len(state.generated_tokens)
         state.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(state)
+        self._requeue(state)
         batch.preempted.append(state)
 
     def on_step_done(self, batch: ScheduledBatch) -> None:

@@ -226,3 +226,45 @@ def test_a_steps_kernel_plans_are_made_once_and_reused_by_every_layer(monkeypatc
     finals = run_to_the_end(engine)
     for index, prompt in enumerate(prompts):
         assert finals[f"req_{index}"].generated_tokens == reference_tokens(model, prompt, greedy_config(3))
+
+
+def test_priorities_order_admission_and_spare_the_urgent_from_preemption() -> None:
+    """`priority` (lower first): waiting requests are admitted in (priority, arrival) order, and when blocks run out
+    the least urgent running request is preempted, never a more urgent one; outputs stay exact."""
+    model = tiny_model("llama_gqa")
+    engine = engine_for(model, greedy_config(4), page_size=4, num_blocks=64, max_requests_per_batch=1,
+                        per_request_processors=True)
+    prompts = random_prompts([5, 6, 7], seed=77)
+    for index, (prompt, priority) in enumerate(zip(prompts, (5, 0, 5))):
+        state = request(index, prompt, 4)
+        state.logit_processor_kwargs = {"priority": priority}
+        engine.add_request(state)
+    finished = []
+    while engine.has_work():
+        finished += [o.request_id for o in engine.step() if o.is_finished()]
+    assert finished == ["req_1", "req_0", "req_2"]
+
+    # Preemption: a less urgent request admitted first, an urgent one after it; when the urgent one needs a block
+    # and none is free, the less urgent one is preempted (by arrival alone, the urgent newcomer would have been).
+    engine = engine_for(model, greedy_config(12), page_size=4, num_blocks=7, max_batch_tokens=64,
+                        per_request_processors=True)
+    first, second = random_prompts([12, 12], seed=78)
+    relaxed = request(0, first, 12)
+    relaxed.logit_processor_kwargs = {"priority": 9}
+    engine.add_request(relaxed)
+    engine.step()  # its prompt, alone
+    urgent = request(1, second, 12)
+    urgent.logit_processor_kwargs = {"priority": -1}
+    engine.add_request(urgent)
+    preempted, finals = [], {}
+    while engine.has_work():
+        before = engine.stats()["preemptions"]
+        for output in engine.step():
+            if output.is_finished():
+                finals[output.request_id] = output
+        if engine.stats()["preemptions"] > before:
+            preempted += [s.request_id for s in engine.scheduler.waiting]
+    assert preempted and set(preempted) == {"req_0"}
+    for index, prompt in enumerate((first, second)):
+        assert finals[f"req_{index}"].generated_tokens == reference_tokens(model, prompt, greedy_config(12))
+    engine.check()

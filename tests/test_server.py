@@ -310,6 +310,14 @@ def test_stop_string_trims_the_text_and_ends_the_request_early(server, client, r
     assert after["cbcore_engine_generated_tokens"] - before <= 2 * (out.usage.completion_tokens + 3)
 
 
+def test_priority_is_accepted_and_changes_no_greedy_text(client) -> None:
+    """vLLM's `priority` (lower first) orders the waiting queue; alone, a request's text is the same at any
+    priority."""
+    texts = [client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0,
+                                       extra_body={"priority": priority}).choices[0].text for priority in (0, -3, 7)]
+    assert texts[0] == texts[1] == texts[2]
+
+
 def test_max_tokens_ends_with_length(client) -> None:
     out = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3, temperature=0.7, top_p=0.9,
                                     extra_body={"top_k": 20})
@@ -392,7 +400,7 @@ def test_logprobs_match_a_forward_of_the_model(client, reference_model) -> None:
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
          "messages[0].content"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "priority": 3}, "priority"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "priority": "high"}, "priority"),
     ],
 )
 def test_invalid_requests_get_400_with_openais_error_body(server, path, body, param) -> None:

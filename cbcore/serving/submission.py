@@ -38,9 +38,10 @@ class RequestSubmission:
         """Queue a request; returns its id (`req_<n>` unless given; automatic ids skip ids in use).
 
         `logit_processor_kwargs` (with `per_request_processors=True`): transformers' `temperature`, `top_k`,
-        `top_p`, and cbcore's `seed` (the request draws from a generator of its own) and `top_logprobs=n` (per
+        `top_p`, and cbcore's `seed` (the request draws from a generator of its own), `top_logprobs=n` (per
         generated token, the model's own log-probabilities of the chosen token and of its n most likely tokens:
-        `GenerationOutput.top_logprobs`, and `logprobs` with `return_logprobs`).
+        `GenerationOutput.top_logprobs`, and `logprobs` with `return_logprobs`) and `priority` (an int, lower first:
+        see cbcore/scheduler.py).
 
         Raised here, before anything is queued, naming the argument: a wrong type (`TypeError`: token ids that are
         not ints, `max_new_tokens="5"` or `2.5`, a non-str `request_id`), a value out of range (`ValueError`:

@@ -6,7 +6,7 @@ which the app answers with OpenAI's error body `{"error": {"message", "type", "p
 Unknown fields are ignored, as OpenAI ignores them. Known OpenAI fields that would change the result but that cbcore
 does not implement are refused with 400 when set to anything but their neutral value, never silently dropped
 (STYLE.md #11): `presence_penalty`, `frequency_penalty`, `logit_bias`, `best_of` > n, `echo`, `suffix`, `tools`,
-`response_format` other than text, `priority`.
+`response_format` other than text.
 
 Logprobs are the model's own, as OpenAI and vLLM (its default `raw_logprobs`) report them: log-softmax of the raw
 logits, before temperature, top-k or top-p, for the chosen token and for the `top_logprobs` (chat, 0-20) or `logprobs`
@@ -16,8 +16,8 @@ logits, before temperature, top-k or top-p, for the chosen token and for the `to
 per-request `seed`), so the same request with the same seed gives the same text whatever else the server is doing;
 without `seed`, samples come from the server's shared generator (`--seed`).
 
-Why `priority` is refused: the manager's `add_request` takes no priority and its scheduling policy is chosen once
-per engine (`--scheduler`), so a per-request priority cannot be honoured.
+`priority` (vLLM's extra field, an int, lower first, default 0): the request's place in the waiting queue and
+among preemption victims (cbcore/scheduler.py); every choice of a request has its priority.
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ class SamplingParams:
     logprobs: bool = False  # the chosen token's logprob for every generated token
     top_logprobs: int = 0  # and this many most likely alternatives at each step
     seed: int | None = None  # choice i draws from its own generator seeded with seed + i
+    priority: int = 0  # lower is scheduled first
     tokens_as_ids: bool = False  # vLLM's `return_tokens_as_token_ids`: logprob tokens as "token_id:<id>"
 
     @property
@@ -81,6 +82,8 @@ class SamplingParams:
         logit, which multinomial sampling then picks with probability 1, exactly the argmax (ties aside, as argmax
         would take the first). Temperature and top_p do not change which logit is largest, so they are left out."""
         reported = {"top_logprobs": self.top_logprobs} if self.logprobs else {}  # the model's own logprobs
+        if self.priority:
+            reported["priority"] = self.priority
         if self.greedy:
             return {"top_k": 1, **reported}
         # Only what differs from the manager's own config (temperature 1, top_p 1, no top_k): a step whose rows all
@@ -161,8 +164,7 @@ def _bool_field(body: dict, name: str, default: bool = False) -> bool:
 def _refuse_unsupported(body: dict, extra_neutral: dict[str, Any]) -> None:
     """400 for a known OpenAI field set to a value cbcore cannot honour."""
     neutral = {"presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
-               "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
-               "priority": (None, 0)}
+               "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, [])}
     neutral.update(extra_neutral)
     for name, allowed in neutral.items():
         if name in body and body[name] not in allowed:
@@ -228,6 +230,7 @@ def _sampling(body: dict, max_tokens: int | None, logprobs: bool, top_logprobs: 
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         seed=_int_field(body, "seed", 0, 2**62),
+        priority=_int_field(body, "priority", -(2**31), 2**31 - 1) or 0,
     )
     return params
 
