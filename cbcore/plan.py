@@ -7,9 +7,15 @@ driver broadcasts to the other ranks, and what a compiled or graph-captured step
 
 Block copies are decided while scheduling (a fork's copy-on-write block, a preempted request's swap-out, a resumed
 one's swap-in, a prefix block kept in or brought back from the host tier) and issued by the worker in one batched call
-per direction before the step's forward (`ModelRunner.copy_blocks`), in this order: device to device first (a child's
-block must hold its parent's K/V before anything reads or swaps it out), then device to host, then host to device (so
-a device block freed by a swap-out can receive a swap-in in the same step).
+per direction before the step's forward (`ModelRunner.copy_blocks`), in this order:
+
+1. device to host: a block being swapped out, or evicted into the host tier, may be handed out again in the same
+   step (to a fork's copy, a swap-in, a growing request): its old K/V is copied out before anything overwrites it;
+2. device to device: the forks' copy-on-write blocks (all sources read before any destination is written);
+3. host to device: swap-ins and host-tier bring-backs, into blocks whose old K/V was copied out in 1.
+
+The one dependency the other way, a child forked and then swapped out in the same step (its block written in 2 and
+read in 1), cannot arise: the scheduler preempts a child forked this step by recompute, never by swap.
 """
 
 from __future__ import annotations

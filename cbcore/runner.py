@@ -57,24 +57,26 @@ class ModelRunner:
         self.kernel_mode = ops.kernel_mode()
 
     def copy_blocks(self, copies: BlockCopies) -> None:
-        """Issue a step's block copies before its forward, one batched call per direction (see cbcore/plan.py for
-        the order): copy-on-write blocks with one index copy per layer tensor, swaps through the host pool."""
-        if copies.device_to_device:
-            sources = torch.tensor([s for s, _ in copies.device_to_device], dtype=torch.long, device=self.device)
-            targets = torch.tensor([t for _, t in copies.device_to_device], dtype=torch.long, device=self.device)
-            for pages in self.cache.key_caches + self.cache.value_caches:
-                pages.index_copy_(0, targets, pages.index_select(0, sources))
-        if not (copies.device_to_host or copies.host_to_device):
-            return
-        pool = self.cache.swap.pool
+        """Issue a step's block copies before its forward, one batched call per direction, device to host first,
+        then device to device, then host to device (cbcore/plan.py says why): swaps through the host pool,
+        copy-on-write blocks with one index copy per layer tensor."""
         keys, values = self.cache.key_caches, self.cache.value_caches
+        pool = self.cache.swap.pool if self.cache.swap is not None else None
         if copies.device_to_host:
             device_blocks, host_blocks = zip(*copies.device_to_host)
             pool.swap_out(keys, values, list(device_blocks), list(host_blocks))
+            # The host pool's copies may run on a side stream (CUDA): the device blocks they read must not be
+            # overwritten by the fork copies below before they are done.
+            pool.wait_on_current_stream()
+        if copies.device_to_device:
+            sources = torch.tensor([s for s, _ in copies.device_to_device], dtype=torch.long, device=self.device)
+            targets = torch.tensor([t for _, t in copies.device_to_device], dtype=torch.long, device=self.device)
+            for pages in keys + values:
+                pages.index_copy_(0, targets, pages.index_select(0, sources))
         if copies.host_to_device:
             host_blocks, device_blocks = zip(*copies.host_to_device)
             pool.swap_in(keys, values, list(host_blocks), list(device_blocks))
-        pool.wait_on_current_stream()  # the forward reads the blocks swapped in
+            pool.wait_on_current_stream()  # the forward reads the blocks swapped in
 
     def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, StepMetadata, list[int], list[int]]:
         """Build input ids, positions, the step metadata, the emitting rows and the indices (in `plan.requests`) of

@@ -366,7 +366,10 @@ class Scheduler:
         """Take a running request's blocks and queue it first: swapped out to the host when the cache's swap policy
         says so (it resumes where it was), otherwise released, to be recomputed from its tokens so far."""
         self.running.remove(state)
-        if self.cache.can_swap_out(state):
+        # A child forked in this step is recomputed, not swapped: its copy-on-write block is only written by this
+        # step's copies, after the swap-outs read their blocks (cbcore/plan.py), so a swap-out would save stale K/V.
+        forked_now = any(state is child for child in batch.forked)
+        if not forked_now and self.cache.can_swap_out(state):
             self.cache.swap_out(state)
             self.num_swap_preemptions += 1
         else:

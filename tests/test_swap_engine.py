@@ -157,3 +157,51 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier_with_unchanged_output()
     for prompt, output in outputs.values():
         assert output.status == cbcore.RequestStatus.FINISHED
         assert output.generated_tokens == reference_tokens(model, prompt, greedy_config(4))
+
+
+def test_a_block_evicted_into_the_host_tier_and_reused_by_a_fork_keeps_its_old_kv_in_the_tier() -> None:
+    """One step can evict a cached prefix block into the host tier (a copy out) and hand the same block to a fork's
+    copy-on-write (a copy in): the copy out must read the old K/V first, or the tier would keep the parent's partial
+    block under the prefix's tokens and a later hit would bring back wrong K/V."""
+    import torch
+
+    from cbcore.cache import PagedKVCache
+    from cbcore.cache_shape import CacheShape
+    from cbcore.requests import RequestState
+    from cbcore.runner import ModelRunner
+
+    cache = PagedKVCache(CacheShape(1, 1, 8, torch.float32), num_blocks=3, page_size=4, device=torch.device("cpu"))
+    cache.enable_swap(num_host_blocks=2)
+    runner = ModelRunner(torch.nn.Identity(), cache, sampler=None)
+
+    def computed(request_id: str, tokens: list[int], value: float) -> RequestState:
+        state = RequestState(request_id=request_id, initial_tokens=tokens, max_new_tokens=4)
+        cache.grow(state, len(tokens))
+        for block in state.block_table:
+            for pages in cache.key_caches + cache.value_caches:
+                pages[block] = value
+        state.num_computed_tokens = len(tokens)
+        cache.commit_full_blocks(state)
+        return state
+
+    prefix = computed("prefix", [1, 2, 3, 4], value=7.0)  # one full block, cached once released
+    prefix_block = prefix.block_table[0]
+    cache.release(prefix)
+    parent = computed("parent", [5, 6, 7, 8, 9, 10], value=3.0)  # a full block and a partial one
+    child = RequestState(request_id="child", initial_tokens=parent.initial_tokens, max_new_tokens=4)
+    cache.fork(parent, child)  # no free block: evicts the prefix's block into the tier and copies into it
+    copies = cache.take_copies()
+    assert child.block_table[-1] == prefix_block and copies.device_to_host and copies.device_to_device
+    runner.copy_blocks(copies)
+    assert torch.all(cache.key_caches[0][prefix_block] == 3.0)  # the child's copy of the parent's partial block
+
+    cache.release(parent)
+    cache.release(child)
+    again = RequestState(request_id="again", initial_tokens=[1, 2, 3, 4, 11], max_new_tokens=4)
+    hit = cache.peek_prefix(again)
+    assert cache.take_prefix(again, hit) == 4  # brought back from the host tier
+    runner.copy_blocks(cache.take_copies())
+    brought_back = again.block_table[0]
+    assert torch.all(cache.key_caches[0][brought_back] == 7.0) and torch.all(cache.value_caches[0][brought_back] == 7.0)
+    cache.release(again)
+    cache.check([])
