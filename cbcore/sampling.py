@@ -45,6 +45,19 @@ PRIORITY_KWARG = "priority"
 MAX_CACHED_PROCESSOR_LISTS = 1024
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of `probs` `[rows, vocab]` (rows summing to 1), by inverse-CDF sampling: a uniform draw per
+    row against the row's cumulative distribution. The distribution of `torch.multinomial(probs, 1)` up to fp32
+    rounding, in one pass over the vocabulary: multinomial's CPU kernel took ~50 ms for 64 rows of a 49k vocabulary
+    on this project's 2-core machine (~5 ms for a single row), this ~3 ms."""
+    cdf = torch.cumsum(probs, dim=-1)
+    total = cdf[:, -1:]
+    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=cdf.dtype) * total
+    # Strictly below the total, so the token found has a positive probability even when u rounds up to it.
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True).squeeze(1)
+
+
 class LogitsProcessorSwitch:
     """`manager.logit_processor`, the part of transformers' `ContinuousBatchingLogitsProcessorList` that code driving
     a manager reads: `logits_processor` (what `model.generate` builds for this generation config, for a one-token
@@ -142,10 +155,10 @@ class Sampler:
             scores = torch.cat(rows, dim=0)
         if self.do_sample:
             probs = torch.softmax(scores, dim=-1).cpu()
-            tokens = torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(1)
+            tokens = draw(probs, self.generator)
             for row, generator in enumerate(generators or ()):
                 if generator is not None:  # drawn from its own generator: the same whatever shares the step
-                    tokens[row] = torch.multinomial(probs[row], num_samples=1, generator=generator)[0]
+                    tokens[row] = draw(probs[row : row + 1], generator)[0]
         else:
             tokens = scores.argmax(dim=-1).cpu()
         logprobs = None

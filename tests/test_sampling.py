@@ -135,3 +135,23 @@ def test_top_logprobs_are_the_models_own_before_temperature_and_top_k() -> None:
         assert asked.logprobs[i] == pytest.approx(row[token].item(), abs=1e-4)
     # Drawn at temperature 0.3 among the top 5: the drawn distribution is sharper than the model's.
     assert any(p > a + 1e-3 for p, a in zip(plain.logprobs, asked.logprobs))
+
+
+def test_draw_samples_each_rows_distribution_and_never_a_zero_probability_token() -> None:
+    """The sampler's inverse-CDF draw: frequencies match the probabilities (seeded, 40k draws per row: a fixed
+    outcome, within 4 standard deviations), tokens of probability 0 (masked by top-k / top-p) never come out."""
+    import torch
+
+    from cbcore.sampling import draw
+
+    probs = torch.tensor([[0.0, 0.5, 0.3, 0.2, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0], [0.25, 0.25, 0.0, 0.25, 0.25]])
+    generator = torch.Generator().manual_seed(0)
+    n = 40_000
+    counts = torch.zeros_like(probs)
+    for _ in range(n // 1000):
+        tokens = torch.stack([draw(probs, generator) for _ in range(1000)])  # [1000, rows]
+        counts += torch.nn.functional.one_hot(tokens, probs.shape[1]).sum(0).float()
+    frequencies = counts / n
+    assert torch.all(counts[probs == 0] == 0)
+    sigma = (probs * (1 - probs) / n).sqrt()
+    assert torch.all((frequencies - probs).abs() <= 4 * sigma + 1e-9), frequencies
