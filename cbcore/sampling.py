@@ -48,8 +48,9 @@ MAX_CACHED_PROCESSOR_LISTS = 1024
 def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token per row of `probs` `[rows, vocab]` (rows summing to 1), by inverse-CDF sampling: a uniform draw per
     row against the row's cumulative distribution. The distribution of `torch.multinomial(probs, 1)` up to fp32
-    rounding, in one pass over the vocabulary: multinomial's CPU kernel took ~50 ms for 64 rows of a 49k vocabulary
-    on this project's 2-core machine (~5 ms for a single row), this ~3 ms."""
+    rounding, in one pass over the vocabulary: on this project's 2-core machine multinomial's CPU kernel takes
+    45-48 ms for 64 rows of a 49k vocabulary (0.7-1.0 ms for one row), this 1.2-1.6 ms (0.05 ms);
+    bench/sampling_draw.py."""
     cdf = torch.cumsum(probs, dim=-1)
     total = cdf[:, -1:]
     u = torch.rand(probs.shape[0], 1, generator=generator, dtype=cdf.dtype) * total
