@@ -13,7 +13,7 @@ and bf16 caches. Every request's pages are scattered in shuffled block order (as
 - machine: `x.sum()` over a 256 MiB fp32 tensor (bytes read / time) and `y.copy_(x)` (bytes read + written / time),
     both with torch's own vectorised kernels on all threads: the practical read-bandwidth ceiling for decode.
 
-Implementations: "cpp" is what ops.py runs on the CPU (the AVX2 copy where the CPU has AVX2+FMA+F16C), "cpp-generic"
+Implementations: "cpp" is what cbcore/ops runs on the CPU (the AVX2 copy where the CPU has AVX2+FMA+F16C), "cpp-generic"
 the portable copy (what older CPUs run), "reference" the plain-torch specification (cbcore.ops.*_reference).
 
 Threads: all cores (torch.set_num_threads(os.cpu_count())), or $CBCORE_BENCH_THREADS. Run it (`bench/` is not in the

@@ -45,7 +45,7 @@ from . import ops
 ATTENTION_NAME = "cbcore_paged"
 STEP_KWARG = "cbcore_step"
 
-# Attention kwargs the kernels take (see cbcore/ops.py): what they mean is implemented by every backend.
+# Attention kwargs the kernels take (see cbcore/ops): what they mean is implemented by every backend.
 HANDLED_KWARGS = frozenset({"sliding_window", "softcap", "s_aux"})
 
 # Attention kwargs transformers 5.24 models pass (or hand down from the forward's **kwargs) that change nothing about
@@ -141,7 +141,7 @@ class StepMetadata:
     # Each packed token's position in its request, `[num_tokens]` (cbcore/positions.py hands it to decoders that
     # compute positions themselves).
     positions: torch.Tensor | None = None
-    # The kernels' plans for this step, made by the first layer's calls and reused by the others (cbcore/ops.py).
+    # The kernels' plans for this step, made by the first layer's calls and reused by the others (cbcore/ops).
     kernel_plans: ops.StepKernelPlans = field(default_factory=ops.StepKernelPlans)
 
 

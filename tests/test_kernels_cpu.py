@@ -1,5 +1,5 @@
 """The C++ CPU kernels (cbcore._C: cache_write, decode_attention, prefill_attention) against the plain-torch
-references in cbcore/ops.py, which are the specification; then the dispatch in ops.py, and the engine with the
+references in cbcore/ops/reference.py, which are the specification; then the dispatch in cbcore/ops, and the engine with the
 kernels against the engine with the references.
 
 Caches are filled with noise everywhere, requests' blocks are scattered in random order and the padding of the block
@@ -360,7 +360,7 @@ def test_decode_rejects_bad_arguments_with_value_error(change, message) -> None:
         _C.decode_attention(q, k_cache, k_cache, table, lens, 1.0, change.get("window", -1))
 
 
-# ---- dispatch (ops.py) ------------------------------------------------------------------------------------------
+# ---- dispatch (cbcore/ops) -----------------------------------------------------------------------------------------
 
 
 def small_decode_inputs(dtype=torch.float32):

@@ -1,4 +1,4 @@
-"""The CUDA kernels of cbcore._cuda against the plain-torch references in cbcore/ops.py (the specification).
+"""The CUDA kernels of cbcore._cuda against the plain-torch references in cbcore/ops/reference.py (the specification).
 
 Every test marked `gpu` needs a CUDA device and is skipped without one (run them with `pytest -m gpu`, as
 bench/gpu_check.sh does). The unmarked tests run everywhere: the extension is built whenever torch has CUDA and nvcc

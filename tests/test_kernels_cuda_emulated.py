@@ -3,7 +3,7 @@
 tests/cuda_emulation/ holds a stand-in for the CUDA runtime (a std::thread per CUDA thread, barriers for
 __syncthreads and the warp shuffles); the real kernel header csrc/attention/cuda_decode_attention.cuh and the real
 launch plan (cuda_decode_params.h) are compiled against it with the host compiler and run on small batches, against
-the reference in cbcore/ops.py. This covers the indexing through block tables, head grouping and padding, the
+the reference in cbcore/ops/reference.py. This covers the indexing through block tables, head grouping and padding, the
 butterfly reductions, split-K and its merge, sliding windows, soft-capping, attention sinks (counted once across
 split-K), a V head dim of its own (K 192 / V 128) and the deterministic mode's batch independence. It
 does not cover what only a GPU shows (the memory model, the 16-byte load instruction, performance): that is

@@ -184,7 +184,7 @@ float check_softcap(double softcap) {
   return static_cast<float>(softcap);
 }
 
-// sinks: None, or [heads] fp32 contiguous on the CPU (cbcore/ops.py converts them).
+// sinks: None, or [heads] fp32 contiguous on the CPU (cbcore/ops converts them).
 const float* check_sinks(const std::optional<at::Tensor>& sinks, int64_t heads) {
   if (!sinks.has_value()) return nullptr;
   const at::Tensor& t = *sinks;

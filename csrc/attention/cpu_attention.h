@@ -1,7 +1,7 @@
 // Paged attention on the CPU: writing new K/V into pages, decode (one query per request) and packed
 // causal prefill, all reading the pages in place through the block table.
 //
-// Semantics are those of the plain-torch references in cbcore/ops.py (`*_reference`), which are the
+// Semantics are those of the plain-torch references in cbcore/ops/reference.py (`*_reference`), which are the
 // specification; tests/test_kernels_cpu.py holds the two together. Shapes (DESIGN.md §5):
 //
 //   k_cache, v_cache  [num_blocks, page_size, num_kv_heads, head_dim], contiguous, fp32 / bf16 / fp16
@@ -18,7 +18,7 @@
 //
 // q must have the cache's dtype and a contiguous last dimension (any other strides are fine); head_dim
 // must be a multiple of 8; heads a multiple of kv_heads. Scores, softmax and the weighted sum run in
-// fp32 whatever the storage dtype. Anything else raises (cbcore/ops.py routes such calls to the
+// fp32 whatever the storage dtype. Anything else raises (cbcore/ops routes such calls to the
 // reference instead). Results do not depend on the number of threads or on the other requests of the
 // batch: each (request, kv head, chunk) is computed by one thread in a fixed order.
 //
@@ -73,7 +73,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
 // ---- plan once per step, run per layer ----------------------------------------------------------------
 // A step's block tables and lengths are the same for every layer: the work split (items, split-K merges) and the
 // validation of every block-table entry are done once, by a plan, and every layer's call reuses it. A plan is
-// specific to a sliding window and a (kv heads, query heads) shape, which may differ between layers (cbcore/ops.py
+// specific to a sliding window and a (kv heads, query heads) shape, which may differ between layers (cbcore/ops
 // keeps one per key for the step). The planned calls write into `out` ([rows, heads, v_head_dim], contiguous, q's
 // dtype: a slice of the attention layer's output) instead of allocating.
 

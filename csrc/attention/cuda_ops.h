@@ -1,4 +1,4 @@
-// The CUDA ops of cbcore._cuda (host side). The Python dispatcher in cbcore/ops.py calls exactly these.
+// The CUDA ops of cbcore._cuda (host side). The Python dispatcher in cbcore/ops calls exactly these.
 //
 // Every op validates its inputs (device, dtype, contiguity, shapes) with messages that name the argument and what
 // is wrong, and launches on the current CUDA stream of the inputs' device. Nothing here synchronises with the host.
