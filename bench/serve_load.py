@@ -143,16 +143,19 @@ class CbcoreServer:
     generated = "cbcore_engine_generated_tokens"
 
     def command(self, args, port: int) -> tuple[list[str], dict[str, str]]:
+        """The server's command line and the environment it adds."""
         return ([sys.executable, "-m", "cbcore", "serve", "--port", str(port), "--served-model-name", "served",
                  "--log-level", "warning", *(["--model", args.model] if args.model else []), *args.server_args],
                 {"PYTHONPATH": str(REPO)})
 
     @staticmethod
     def idle(metrics: dict[str, float]) -> bool:
+        """Whether the server holds nothing: no request running, no cache held."""
         return metrics.get("cbcore_cache_blocks_used") == 0 and metrics.get("cbcore_requests_running") == 0
 
     @staticmethod
     def blocks_used(metrics: dict[str, float]) -> float | None:
+        """The cache it still holds (0: none), or None when its metrics do not say."""
         return metrics.get("cbcore_cache_blocks_used")
 
 
@@ -180,8 +183,7 @@ class VllmServer:
 
     @staticmethod
     def blocks_used(metrics: dict[str, float]) -> float | None:
-        usage = metrics.get("vllm:kv_cache_usage_perc")
-        return None if usage is None else usage  # a share of its blocks; 0 when nothing is held
+        return metrics.get("vllm:kv_cache_usage_perc")  # a share of its blocks; 0 when nothing is held
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,6 +36,13 @@ from .sampling import (
 
 # cbcore's per-request kwargs next to transformers' processor ones (see cbcore/sampling.py).
 _CBCORE_KWARGS = (SEED_KWARG, TOP_LOGPROBS_KWARG, PRIORITY_KWARG)
+# The integer per-request kwargs: (name, lowest, highest (None: no bound), the range as the error message says it).
+_INT_KWARGS = (
+    (SEED_KWARG, 0, 2**63 - 1, "in [0, 2**63)"),
+    (TOP_LOGPROBS_KWARG, 0, MAX_TOP_LOGPROBS, f"in [0, {MAX_TOP_LOGPROBS}]"),
+    (PRIORITY_KWARG, None, None, "an int"),
+    ("top_k", 0, None, ">= 0 (0 turns it off)"),
+)
 
 
 def _is_integer_array(value: Any) -> bool:
@@ -158,32 +165,15 @@ def processor_kwargs(kwargs: dict[str, Any], per_request_processors: bool, do_sa
         supported = sorted([*PER_REQUEST_KWARGS, *_CBCORE_KWARGS])
         raise TypeError(f"{what}: unknown logits-processor kwargs {unknown}; supported: {supported}")
     normalised = dict(kwargs)
-    if SEED_KWARG in kwargs:
-        seed = _as_int(kwargs[SEED_KWARG])
-        if seed is None:
-            raise TypeError(f"{what}: seed must be an int, got {kwargs[SEED_KWARG]!r}")
-        if not 0 <= seed < 2**63:
-            raise ValueError(f"{what}: seed must be in [0, 2**63), got {seed}")
-        normalised[SEED_KWARG] = seed
-    if TOP_LOGPROBS_KWARG in kwargs:
-        count = _as_int(kwargs[TOP_LOGPROBS_KWARG])
-        if count is None:
-            raise TypeError(f"{what}: top_logprobs must be an int, got {kwargs[TOP_LOGPROBS_KWARG]!r}")
-        if not 0 <= count <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"{what}: top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {count}")
-        normalised[TOP_LOGPROBS_KWARG] = count
-    if PRIORITY_KWARG in kwargs:
-        priority = _as_int(kwargs[PRIORITY_KWARG])
-        if priority is None:
-            raise TypeError(f"{what}: priority must be an int, got {kwargs[PRIORITY_KWARG]!r}")
-        normalised[PRIORITY_KWARG] = priority
-    if "top_k" in kwargs:
-        top_k = _as_int(kwargs["top_k"])
-        if top_k is None:
-            raise TypeError(f"{what}: top_k must be an int, got {kwargs['top_k']!r}")
-        if top_k < 0:
-            raise ValueError(f"{what}: top_k must be >= 0 (0 turns it off), got {top_k}")
-        normalised["top_k"] = top_k
+    for name, low, high, allowed in _INT_KWARGS:
+        if name not in kwargs:
+            continue
+        value = _as_int(kwargs[name])
+        if value is None:
+            raise TypeError(f"{what}: {name} must be an int, got {kwargs[name]!r}")
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise ValueError(f"{what}: {name} must be {allowed}, got {value}")
+        normalised[name] = value
     for name, low_open, high in (("temperature", True, math.inf), ("top_p", False, 1.0)):
         if name not in kwargs:
             continue

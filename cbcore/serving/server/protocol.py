@@ -77,20 +77,21 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def engine_kwargs(self) -> dict[str, Any]:
-        """The manager's per-request processor kwargs (`per_request_processors=True`). The manager samples every
-        request (its generation config has `do_sample=True`), so greedy is `top_k=1`: the warper leaves one finite
-        logit, which multinomial sampling then picks with probability 1, exactly the argmax (ties aside, as argmax
-        would take the first). Temperature and top_p do not change which logit is largest, so they are left out."""
-        reported = {"top_logprobs": self.top_logprobs} if self.logprobs else {}  # the model's own logprobs
+        """The manager's per-request kwargs (`per_request_processors=True`). The manager samples every request (its
+        generation config has `do_sample=True`), so greedy is `top_k=1`: the warper leaves one finite logit, which
+        the sampler's draw then picks with probability 1, exactly the argmax (ties aside, as argmax would take the
+        first). Temperature and top_p do not change which logit is largest, so they are left out. `top_logprobs`
+        (with logprobs: the model's own) and `priority` are cbcore's kwargs, not processor settings."""
+        extra = {"top_logprobs": self.top_logprobs} if self.logprobs else {}
         if self.priority:
-            reported["priority"] = self.priority
+            extra["priority"] = self.priority
         if self.greedy:
-            return {"top_k": 1, **reported}
+            return {"top_k": 1, **extra}
         # Only what differs from the manager's own config (temperature 1, top_p 1, no top_k): a step whose rows all
         # carry no override skips the per-row processor loop entirely.
         kwargs = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
         neutral = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
-        return {**{name: value for name, value in kwargs.items() if value != neutral[name]}, **reported}
+        return {**{name: value for name, value in kwargs.items() if value != neutral[name]}, **extra}
 
 
 @dataclass
