@@ -145,6 +145,11 @@ class StepMetadata:
     kernel_plans: ops.StepKernelPlans = field(default_factory=ops.StepKernelPlans)
 
 
+class WarmupStep:
+    """Handed to `paged_step()` while the compiled forward is compiled ahead (cbcore/compiled_step.py): each layer's
+    attention answers zeros and no cache is touched."""
+
+
 class _ShapeProbe:
     """Passed as the step by `probe_kv_shapes`: each layer's attention records the K/V shapes it receives."""
 
@@ -239,6 +244,17 @@ def paged_attention(
     """transformers attention signature: query `[1, heads, T, d]`, key/value `[1, kv_heads, T, d]` / `[1, kv_heads,
     T, d_v]` -> `[1, T, heads, d_v]` (d_v: V's head dim, d unless the model has latent attention)."""
     step: StepMetadata | None = kwargs.pop(STEP_KWARG, None)
+    if torch.compiler.is_compiling():
+        # Only cbcore's compiled step forward is ever traced with this function (cbcore/compiled_step.py): one opaque
+        # op per layer that reads the step's batch layout when it runs, so no step's layout is baked into the graph
+        # (cbcore/ops/custom_ops.py says why).
+        if attention_mask is not None:
+            raise RuntimeError("cbcore's paged attention expects no attention mask; its mask function must return None")
+        check_step_kwargs(kwargs, dropout)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return torch.ops.cbcore.step_attention(query, key, value, module.layer_idx, scale,
+                                               kwargs.get("sliding_window"), kwargs.get("softcap"),
+                                               kwargs.get("s_aux")), None
     if step is None:
         step = current_step()  # a decoder layer dropped the forward's kwargs
     if isinstance(step, _ShapeProbe):
@@ -253,16 +269,29 @@ def paged_attention(
     if attention_mask is not None:
         raise RuntimeError("cbcore's paged attention expects no attention mask; its mask function must return None")
     check_step_kwargs(kwargs, dropout)
-    layer = module.layer_idx
+    head_dim = query.shape[-1]
+    scale = scaling if scaling is not None else head_dim**-0.5
+    window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
+    return run_step_attention(step, module.layer_idx, query, key, value, scale, window, softcap, sinks), None
+
+
+def run_step_attention(
+    step: StepMetadata,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """One layer's attention in `step`: write its new K/V into the layer's pages, then attend the decode rows and the
+    prefill rows over them. Shapes as `paged_attention`'s (transformers' layout); returns `[1, T, heads, d_v]`."""
     k_cache, v_cache = step.key_caches[layer], step.value_caches[layer]
     q = query[0].transpose(0, 1)  # [T, heads, d]
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)  # [T, kv_heads, v_head_dim]: V's head dim may differ from K's (MLA)
-    head_dim = q.shape[-1]
-    scale = scaling if scaling is not None else head_dim**-0.5
-    window = kwargs.get("sliding_window")
-    softcap = kwargs.get("softcap")
-    sinks = kwargs.get("s_aux")
 
     mode = step.kernel_mode
     ops.cache_write(k, v, k_cache, v_cache, step.slot_mapping, mode)
@@ -280,7 +309,7 @@ def paged_attention(
             q[num_decode:], k_cache, v_cache, step.prefill_block_table, step.prefill_cu_seqlens_q,
             step.prefill_seq_lens_k, scale, window, softcap, sinks, mode, step.kernel_plans, out[num_decode:],
         )
-    return out.unsqueeze(0), None
+    return out.unsqueeze(0)
 
 
 def _model_eager_attention(
@@ -322,8 +351,9 @@ def _model_eager_attention(
 
 
 def _mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
-    """No mask in cbcore's steps (the kernels mask: causal, bottom-right aligned, sliding window); sdpa's otherwise."""
-    if getattr(_in_paged_step, "active", False):
+    """No mask in cbcore's steps (the kernels mask: causal, bottom-right aligned, sliding window); sdpa's otherwise.
+    A traced forward is always cbcore's compiled step (cbcore/compiled_step.py)."""
+    if torch.compiler.is_compiling() or getattr(_in_paged_step, "active", False):
         return None
     return sdpa_mask(*args, **kwargs)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 import torch
+from transformers.generation.configuration_utils import CompileConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig as _TransformersCBConfig
 
 SCHEDULER_TYPES = ("fifo", "prefill_first")
@@ -44,8 +45,12 @@ class ContinuousBatchingConfig(_TransformersCBConfig):
         auto_switch_to_flash, disable_nccl_graph_mixing, cpu_group_timeout: accepted; cbcore always runs its own paged
             attention in a single process, so they have no effect.
         q/kv_padding_interval_size: they only shape CUDA graphs; accepted (and unused) while graphs are off.
-        use_cuda_graph, varlen/decode_compile_config, default_compile_level, use_async_batching: not supported yet;
-            asking for them raises NotImplementedError (see `check_supported`) rather than being ignored.
+        varlen_compile_config, decode_compile_config, default_compile_level (and the deprecated
+            use_default_compile_configs, mapped as transformers maps it): torch.compile of the step's forward, on
+            every device, resolved as transformers resolves them (cbcore/compiled_step.py: the levels, and
+            CBCORE_COMPILE=0 to turn compilation off).
+        use_cuda_graph, use_async_batching: not supported yet; asking for them raises NotImplementedError (see
+            `check_supported`) rather than being ignored.
     """
 
     def __post_init__(self) -> None:
@@ -92,6 +97,11 @@ class ContinuousBatchingConfig(_TransformersCBConfig):
             _check(getattr(self, name) >= 0, f"{name} must be >= 0 (0 = transformers' default), got {getattr(self, name)}")
         if self.cpu_group_timeout is not None:
             _check(self.cpu_group_timeout > 0, f"cpu_group_timeout must be > 0 seconds, got {self.cpu_group_timeout}")
+        for name in ("varlen_compile_config", "decode_compile_config"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, CompileConfig):
+                raise TypeError(f"{name} must be None, a transformers CompileConfig or a dict of its fields, got "
+                                f"{value!r}")
         graphs = self.use_cuda_graph
         if isinstance(graphs, tuple):
             _check(
@@ -110,12 +120,6 @@ class ContinuousBatchingConfig(_TransformersCBConfig):
             raise NotImplementedError(
                 f"CUDA graphs (use_cuda_graph={self.use_cuda_graph!r}) are not supported {where}; leave use_cuda_graph "
                 "None or False"
-            )
-        compile_asked = self.varlen_compile_config or self.decode_compile_config or self.default_compile_level
-        if compile_asked:
-            raise NotImplementedError(
-                "torch.compile of the forward (varlen/decode_compile_config, default_compile_level) is not supported "
-                "yet; leave them unset"
             )
         if self.use_async_batching:
             raise NotImplementedError("use_async_batching=True is not supported yet; leave it None or False")

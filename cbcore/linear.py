@@ -1,31 +1,45 @@
-"""Prepacked oneDNN matmuls for the model's `nn.Linear` layers during cbcore's CPU steps.
+"""Prepacked oneDNN matmuls for the model's `nn.Linear` layers during cbcore's CPU steps, with the projections that
+read the same input merged into one matmul.
 
 Why: on the CPU a step is mostly linear layers (half of a W1 decode step, three quarters of a prefill step), and
 torch's x86 builds run fp32 `F.linear` through MKL, which on this AMD EPYC reaches 83-200 GFLOP/s on the shapes of a
 step, against 180-220 GFLOP/s for oneDNN with the weight reordered once into its blocked layout
 (`bench/test_bench_linear.py`, `bench/results/linear_cpu.md`). The engine's end-to-end W1 throughput rises by about a
-quarter.
+quarter. A decoder layer's q/k/v projections (and its MLP's gate/up) all read the same hidden states: one matmul over
+their concatenated weights reads the input once and gives oneDNN one wide matrix instead of two or three narrow ones.
 
-How: `PackedLinears.attach(model)` (called by the manager's `start()`) reorders every CPU fp32/bf16 `nn.Linear`
-weight with `torch.ops.mkldnn._reorder_linear_weight` and gives the module an instance-level `forward` that runs
-`torch.ops.mkldnn._linear_pointwise` on the packed weight, but only inside a cbcore step (`attention.in_paged_step`,
-the same thread-local flag the attention uses): a user's own forward, `model.generate` or a training step on another
-thread runs the module's own `forward`, untouched. `detach()` (called by `stop()`/`destroy()`) removes the instance
-`forward` and frees the packed copies.
+How: `PackedLinears.attach(model)` (called when the manager binds the model) reorders every CPU fp32/bf16
+`nn.Linear` weight with `torch.ops.mkldnn._reorder_linear_weight`, the members of a merge group (`MERGE_GROUPS`:
+sibling modules of those names, plain `nn.Linear`, one input size, dtype and bias kind) as one concatenated weight,
+and gives each module an instance-level `forward` that runs the packed matmul, but only inside a cbcore step
+(`attention.in_paged_step`, the same thread-local flag the attention uses, or a trace of the compiled step): a
+user's own forward, `model.generate` or a training step on another thread runs the module's own `forward`,
+untouched. In a group, the first member called computes the whole group's output for that input tensor and each
+member takes its columns; a member called with another tensor computes the group again for it, so a model that does
+not call them on one input stays exact, only slower. `detach()` removes the instance `forward` and frees the packed
+copies.
 
-Weights changed in place (an optimizer step between two `generate_batch` calls, or inside `manager.pause()`) are
-seen: each packed weight remembers the tensor's `_version` counter and is reordered again when it moved. Memory: the
-packed copy costs one more copy of the linear weights while a manager runs.
+The matmul is the custom op `torch.ops.cbcore.packed_linear(x, handle)`: opaque to `torch.compile` (inductor cannot
+take a packed oneDNN weight as a graph input), with the packed weight looked up by an integer handle when it runs.
+Each module's group and handle are kept across attach and detach, so a compiled step stays valid across
+`generate_batch` calls (nothing it guards on changes).
+
+Weights changed in place (an optimizer step between two `generate_batch` calls, or inside `manager.pause()`) or
+replaced are seen: each packed weight remembers its source tensors and their `_version` counters and is reordered
+again when one moved. Memory: the packed copy costs one more copy of the linear weights while a manager runs.
 
 Numerics: oneDNN sums in a different order than MKL, as any change of batch shape already does; greedy parity with
-`model.generate` is tested with it on. `CBCORE_PACKED_LINEAR=0` turns it off (read at `start()`).
+`model.generate` is tested with it on. `CBCORE_PACKED_LINEAR=0` turns packing off (read at attach), and
+`CBCORE_MERGED_LINEAR=0` keeps packing but every module alone.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import types
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,7 +49,11 @@ from .switches import env_switch
 logger = logging.getLogger(__name__)
 
 PACKED_LINEAR_ENV = "CBCORE_PACKED_LINEAR"
+MERGED_LINEAR_ENV = "CBCORE_MERGED_LINEAR"
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+# Sibling projections that transformers' decoders call on one input: attention's q/k/v (Llama, Qwen2/3, Mistral,
+# Gemma, Phi-3's split form, ...), the gated MLP's gate/up, Mixtral-style experts' w1/w3.
+MERGE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
 
 
 def packing_available() -> bool:
@@ -49,26 +67,134 @@ def packing_enabled() -> bool:
 
 
 @dataclass
-class _Packed:
-    weight: torch.Tensor  # oneDNN blocked layout
-    version: int  # the source weight's `_version` when packed
+class _PackedWeight:
+    """One packed matmul: the concatenated weight of its modules in oneDNN's layout, and what it was packed from."""
+
+    modules: list[torch.nn.Linear]
+    weight: torch.Tensor | None = None  # oneDNN blocked layout
+    bias: torch.Tensor | None = None
+    sources: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (weight, its _version) per module
+
+    @property
+    def out_features(self) -> int:
+        return sum(module.out_features for module in self.modules)
+
+    def stale(self) -> bool:
+        """Whether a module's weight was replaced or changed in place since packing."""
+        return any(module.weight is not source or module.weight._version != version
+                   for module, (source, version) in zip(self.modules, self.sources))
+
+    def pack(self) -> None:
+        with torch.no_grad():
+            weights = [module.weight.detach() for module in self.modules]
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(
+                weights[0] if len(weights) == 1 else torch.cat(weights), None)
+            biases = [module.bias for module in self.modules]
+            self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+            self.sources = [(module.weight, module.weight._version) for module in self.modules]
 
 
-def _pack(weight: torch.Tensor) -> _Packed:
-    with torch.no_grad():
-        return _Packed(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None), weight._version)
+# handle -> packed weight, while attached; the custom op looks its weight up here when it runs.
+_PACKED: dict[int, _PackedWeight] = {}
+_handles = itertools.count()
+
+
+def _packed_matmul(x: torch.Tensor, handle: int) -> torch.Tensor:
+    """`x @ W.T + b` for the packed weight `handle` (one module's, or a merge group's concatenation); x `[..., in]`."""
+    packed = _PACKED[handle]
+    if packed.stale():  # updated in place (or replaced) since it was packed
+        packed.pack()
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed.weight, packed.bias, "none", [], "")
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+@torch.library.custom_op("cbcore::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
+    """`_packed_matmul` as a custom op, for the compiled step (the eager step calls it directly: no dispatch)."""
+    return _packed_matmul(x, handle)
+
+
+@packed_linear.register_fake
+def _(x, handle):
+    return x.new_empty(*x.shape[:-1], _PACKED[handle].out_features)
+
+
+class _Group:
+    """The modules packed as one matmul, and the output of its last input while members still have to take theirs.
+    Kept per module across attach and detach (a compiled step guards on these objects)."""
+
+    def __init__(self, modules: list[torch.nn.Linear]) -> None:
+        self.handle = next(_handles)
+        self.size = len(modules)
+        self.input: torch.Tensor | None = None
+        self.output: torch.Tensor | None = None
+        self.left = 0
+
+
+@dataclass
+class _Member:
+    """One module's place in its group; set on the module (`MEMBER_ATTR`) while attached."""
+
+    group: _Group
+    start: int  # this module's columns of the group's output
+    end: int
+
+
+# module -> its member record: the same record (group, handle) every time the module is attached, so that a compiled
+# step, which guards on these objects, stays valid. Read through the module's own attribute in the forward: a lookup
+# in this dictionary would make a compiled step guard on its size, recompiling whenever another model is packed.
+_members: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+MEMBER_ATTR = "_cbcore_member"
 
 
 def _packed_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """The instance `forward`: the packed oneDNN matmul inside a cbcore step, the module's own forward elsewhere."""
-    packed: _Packed = module._cbcore_packed
-    if not in_paged_step() or x.dtype != module.weight.dtype or x.device.type != "cpu":
+    # A traced forward is always cbcore's compiled step (cbcore/compiled_step.py), and the thread-local flag is not
+    # something to trace.
+    inside = torch.compiler.is_compiling() or in_paged_step()
+    if not inside or x.dtype != module.weight.dtype or x.device.type != "cpu":
         return type(module).forward(module, x)
-    if module.weight._version != packed.version:  # updated in place since it was packed
-        packed = module._cbcore_packed = _pack(module.weight)
-    rows = x.reshape(-1, x.shape[-1])
-    out = torch.ops.mkldnn._linear_pointwise(rows, packed.weight, module.bias, "none", [], "")
-    return out.view(*x.shape[:-1], out.shape[-1])
+    member: _Member = module._cbcore_member
+    group = member.group
+    matmul = packed_linear if torch.compiler.is_compiling() else _packed_matmul
+    if group.size == 1:
+        return matmul(x, group.handle)
+    if group.input is not x:
+        group.input, group.output, group.left = x, matmul(x, group.handle), group.size
+    out = group.output[..., member.start:member.end]
+    group.left -= 1
+    if group.left <= 0:  # every member took its columns: let the tensors go
+        group.input = group.output = None
+    return out
+
+
+def _packable(module: torch.nn.Module) -> bool:
+    # Exactly nn.Linear: a subclass may do more than F.linear in its own forward (a router returning a tuple, an LM
+    # head with a learned logit scale), which the packed forward would silently drop.
+    return (type(module) is torch.nn.Linear and module.weight.device.type == "cpu"
+            and module.weight.dtype in _PACKABLE_DTYPES)
+
+
+def _merge_groups(model: torch.nn.Module, candidates: set[torch.nn.Module]) -> list[list[torch.nn.Linear]]:
+    """The modules to pack together: each `MERGE_GROUPS` name set found as siblings (all packable, one input size,
+    dtype and bias kind), then every other candidate alone, in `model.modules()` order."""
+    groups: list[list[torch.nn.Linear]] = []
+    grouped: set[torch.nn.Module] = set()
+    if env_switch(MERGED_LINEAR_ENV):
+        for parent in model.modules():
+            children = dict(parent.named_children())
+            for names in MERGE_GROUPS:
+                members = [children.get(name) for name in names]
+                if any(m is None or m not in candidates or m in grouped for m in members):
+                    continue
+                first = members[0]
+                if all(m.in_features == first.in_features and m.weight.dtype == first.weight.dtype
+                       and (m.bias is None) == (first.bias is None) for m in members):
+                    groups.append(members)
+                    grouped.update(members)
+    groups.extend([m] for m in model.modules() if m in candidates and m not in grouped)
+    return groups
 
 
 class PackedLinears:
@@ -79,35 +205,53 @@ class PackedLinears:
 
     @classmethod
     def attach(cls, model: torch.nn.Module) -> PackedLinears | None:
-        """Pack every CPU fp32/bf16 `nn.Linear` of `model` (exactly that class, never a subclass); None when packing
-        is off, unavailable or nothing qualifies."""
+        """Pack every CPU fp32/bf16 `nn.Linear` of `model` (exactly that class, never a subclass), merge groups as
+        one matmul each; None when packing is off, unavailable or nothing qualifies."""
         if not packing_enabled() or not packing_available():
             return None
-        modules = [
-            m
-            for m in model.modules()
-            # Exactly nn.Linear: a subclass may do more than F.linear in its own forward (a router returning a tuple,
-            # an LM head with a learned logit scale), which the packed forward would silently drop.
-            if type(m) is torch.nn.Linear
-            and m.weight.device.type == "cpu"
-            and m.weight.dtype in _PACKABLE_DTYPES
-            and "forward" not in m.__dict__  # someone else already replaced this instance's forward
-        ]
+        candidates = {
+            m for m in model.modules()
+            if _packable(m) and "forward" not in m.__dict__  # someone else already replaced this instance's forward
+        }
         attached: list[torch.nn.Linear] = []
         try:
-            for module in modules:
-                module._cbcore_packed = _pack(module.weight)
-                module.forward = types.MethodType(_packed_forward, module)
-                attached.append(module)
+            for modules in _merge_groups(model, candidates):
+                group = cls._group_of(modules)
+                packed = _PackedWeight(modules)
+                packed.pack()
+                _PACKED[group.handle] = packed
+                for module in modules:
+                    module.__dict__[MEMBER_ATTR] = _members[module]
+                    module.forward = types.MethodType(_packed_forward, module)
+                    attached.append(module)
         except RuntimeError as error:  # an op this torch build lacks for this dtype: keep the plain path everywhere
             logger.info(f"cbcore: oneDNN weight packing unavailable ({error}); using F.linear")
             cls(attached).detach()
             return None
         return cls(attached) if attached else None
 
+    @staticmethod
+    def _group_of(modules: list[torch.nn.Linear]) -> _Group:
+        """The group these modules formed the last time they were attached, or a new one."""
+        known = [_members.get(module) for module in modules]
+        if all(member is not None for member in known):
+            group = known[0].group
+            if group.size == len(modules) and all(member.group is group for member in known):
+                return group
+        group = _Group(modules)
+        start = 0
+        for module in modules:
+            member = _members[module] = _Member(group, start, start + module.out_features)
+            start = member.end
+        return group
+
     def detach(self) -> None:
         """Give every module back its own `forward` and free the packed weights."""
         for module in self.modules:
             module.__dict__.pop("forward", None)
-            module.__dict__.pop("_cbcore_packed", None)
+            module.__dict__.pop(MEMBER_ATTR, None)
+            member = _members.get(module)
+            if member is not None:
+                _PACKED.pop(member.group.handle, None)
+                member.group.input = member.group.output = None
         self.modules = []

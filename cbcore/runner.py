@@ -15,10 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from transformers.generation.configuration_utils import CompileConfig
 
 from . import ops
-from .attention import STEP_KWARG, StepMetadata, paged_step
+from .attention import StepMetadata, paged_step
 from .cache import PagedKVCache
+from .compiled_step import StepForward
 from .plan import BlockCopies, PlannedRequest, StepPlan
 from .sampling import SEED_KWARG, Sampler
 from .scheduler import ScheduledBatch, ScheduledRequest
@@ -45,7 +47,10 @@ def _block_table_tensor(requests: list[PlannedRequest], device: torch.device) ->
 class ModelRunner:
     """Runs an unmodified transformers model on packed batches over the paged cache."""
 
-    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, sampler: Sampler) -> None:
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, sampler: Sampler,
+                 compile_configs: tuple[CompileConfig | None, CompileConfig | None] = (None, None)) -> None:
+        """`compile_configs`: (varlen, decode) compile configs of the step's forward (cbcore/compiled_step.py); None
+        runs that path eagerly."""
         self.model = model
         self.cache = cache
         self.sampler = sampler
@@ -55,6 +60,7 @@ class ModelRunner:
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         # The kernel backend's mode, resolved once for this engine (ops.kernel_mode reads CBCORE_KERNELS).
         self.kernel_mode = ops.kernel_mode()
+        self.step_forward = StepForward(model, self.takes_logits_to_keep, *compile_configs)
 
     def copy_blocks(self, copies: BlockCopies) -> None:
         """Issue a step's block copies before its forward, one batched call per direction, device to host first,
@@ -139,12 +145,9 @@ class ModelRunner:
         # logits_to_keep needs at least one row; a step of mid-prompt chunks keeps the last row and discards it.
         rows_to_keep = emit_rows if emit_rows else [input_ids.shape[1] - 1]
         rows = torch.tensor(rows_to_keep, dtype=torch.long, device=self.device)
-        kept = {"logits_to_keep": rows} if self.takes_logits_to_keep else {}
         with paged_step(step):
-            output = self.model(
-                input_ids=input_ids, position_ids=position_ids, use_cache=False, **kept, **{STEP_KWARG: step}
-            )
-        logits = output.logits[0]
+            logits = self.step_forward(input_ids, position_ids, rows, step, decode_only=not step.num_prefill_requests)
+        logits = logits[0]
         if not self.takes_logits_to_keep and logits.shape[0] == input_ids.shape[1]:
             logits = logits[rows]
         if logits.shape[0] != len(rows_to_keep):

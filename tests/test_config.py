@@ -55,7 +55,6 @@ def test_out_of_range_values_raise_a_value_error_naming_the_field(kwargs: dict, 
     [
         {"use_cuda_graph": True},
         {"use_cuda_graph": (False, True)},
-        {"default_compile_level": 1},
         {"use_async_batching": True},
     ],
 )

@@ -34,7 +34,7 @@ def test_packed_linear_matches_f_linear_inside_a_step_only(dtype, tolerance, bia
     assert torch.allclose(inside.float(), expected.float(), rtol=tolerance, atol=tolerance)
     assert torch.equal(layer(x), expected)  # outside a step: the module's own forward, bit for bit
     packed.detach()
-    assert "forward" not in layer[0].__dict__ and not hasattr(layer[0], "_cbcore_packed")
+    assert "forward" not in layer[0].__dict__ and not hasattr(layer[0], "_cbcore_member")
 
 
 def test_manager_packs_at_start_and_restores_at_stop() -> None:
@@ -143,5 +143,51 @@ def test_only_exact_linear_modules_are_packed_never_subclasses() -> None:
             assert torch.equal(model["head"](x), head_expected)  # the scale is kept
             logits, probs = model["router"](x)  # still a tuple
         assert torch.equal(logits, router_expected[0]) and torch.equal(probs, router_expected[1])
+    finally:
+        packed.detach()
+
+
+def _group_sizes(model: torch.nn.Module) -> dict[str, int]:
+    return {name: m._cbcore_member.group.size for name, m in model.named_modules() if hasattr(m, "_cbcore_member")}
+
+
+def test_projections_reading_one_input_are_merged_into_one_matmul() -> None:
+    model = tiny_model("llama_gqa")
+    packed = PackedLinears.attach(model)
+    try:
+        sizes = _group_sizes(model)
+        assert sizes["model.layers.0.self_attn.q_proj"] == sizes["model.layers.0.self_attn.v_proj"] == 3
+        assert sizes["model.layers.0.mlp.gate_proj"] == sizes["model.layers.0.mlp.up_proj"] == 2
+        assert sizes["model.layers.0.self_attn.o_proj"] == sizes["model.layers.0.mlp.down_proj"] == 1
+        attn = model.model.layers[0].self_attn
+        torch.manual_seed(0)
+        x, other = torch.randn(1, 5, 64), torch.randn(1, 5, 64)
+        with paged_step():
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            # A member called on another tensor computes the group again for it: exact, only slower.
+            k_other, q_again = attn.k_proj(other), attn.q_proj(x)
+        for got, module, inp in ((q, attn.q_proj, x), (k, attn.k_proj, x), (v, attn.v_proj, x),
+                                 (k_other, attn.k_proj, other), (q_again, attn.q_proj, x)):
+            assert torch.allclose(got, torch.nn.functional.linear(inp, module.weight, module.bias), atol=1e-5)
+    finally:
+        packed.detach()
+    assert not any(hasattr(m, "_cbcore_member") for m in model.modules())
+
+
+def test_merging_can_be_turned_off_and_unlike_siblings_stay_alone(monkeypatch) -> None:
+    monkeypatch.setenv("CBCORE_MERGED_LINEAR", "0")
+    model = tiny_model("qwen2")
+    packed = PackedLinears.attach(model)
+    try:
+        assert set(_group_sizes(model).values()) == {1}
+    finally:
+        packed.detach()
+    monkeypatch.delenv("CBCORE_MERGED_LINEAR")
+    # q/k/v with different input sizes (as no real model has) are not merged.
+    block = torch.nn.Module()
+    block.q_proj, block.k_proj, block.v_proj = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4), torch.nn.Linear(6, 4)
+    packed = PackedLinears.attach(block)
+    try:
+        assert set(_group_sizes(block).values()) == {1}
     finally:
         packed.detach()

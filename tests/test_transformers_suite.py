@@ -1,10 +1,9 @@
 """transformers' own continuous-batching tests (`tests/generation/test_continuous_batching.py` in transformers'
 repository, the version matching 5.24), ported to run against cbcore through its public API.
 
-The original has 65 test methods (142 cases once parametrized). 34 methods (41 cases) are ported, one case of them an
-expected failure; 31 methods are skipped whole, and 18 cases of ported methods are skipped parameters (101 cases in
-all: 53 private internals, 48 that need a GPU, flash-attn, kernels, several GPUs, CUDA graphs, async batching or
-torch.compile). Each original maps here to exactly one of:
+The original has 65 test methods (142 cases once parametrized). 35 methods (43 cases) are ported, one case of them an
+expected failure; 30 methods are skipped whole, and 20 cases of ported methods are skipped parameters (99 cases in
+all: 53 private internals, 46 that need a GPU, flash-attn, kernels, several GPUs, CUDA graphs or async batching). Each original maps here to exactly one of:
 
 - a port: a test of the same behaviour, named for it, with the original's name in its docstring. The originals load
   TinyLlama / Qwen2.5 / Gemma checkpoints and compare with a padded `model.generate`; the ports use the suite's tiny
@@ -14,7 +13,7 @@ torch.compile). Each original maps here to exactly one of:
   than in the constructor, offload without a GPU, history-aware processors seeing the real history, soft-capping
   honoured), the port tests cbcore's documented behaviour and its docstring says so.
 - a skip that says why: the original needs a GPU, flash-attn, the `kernels` hub kernels, several GPUs, CUDA graphs,
-  async batching or torch.compile (`GPU_ONLY`), or it tests a private internal of transformers (`PRIVATE`), in which
+  or async batching (`GPU_ONLY`), or it tests a private internal of transformers (`PRIVATE`), in which
   case the entry names the cbcore test file that covers cbcore's equivalent. Parametrized originals of which only some
   cases are portable carry the skipped cases as marked parameters of their port.
 - an expected failure (`xfail(strict=True)`) where the port shows a cbcore bug: the test is written as it should pass
@@ -184,7 +183,8 @@ SKIPPED_ORIGINALS = [
      "request's prompt + generated tokens: test_history_aware_processor_sees_each_requests_own_history)"),
     ("test_full_history_processors_disable_incompatible_execution_modes",
      f"{PRIVATE} tests/test_config.py (initialization.disable_acceleration_for_full_history_processors; cbcore "
-     "refuses CUDA graphs, compile and async batching instead of turning them off: "
+     "refuses CUDA graphs and async batching instead of turning them off, and compiles only the forward, so the "
+     "processors outside it still see each request's full history: "
      "test_unsupported_options_raise_instead_of_being_ignored)"),
     ("test_paged_forward_without_cache_raises (2 cases: paged|eager, paged|sdpa)",
      f"{PRIVATE} tests/test_attention_features.py (integrations.eager_paged / sdpa_paged called without a cache; "
@@ -232,9 +232,6 @@ SKIPPED_ORIGINALS = [
      "against CUDA allocations, so it also needs a GPU; cbcore's cache sizing: "
      "test_default_cache_size_on_cpu_is_a_bounded_share_of_memory)"),
     # -- GPU, flash-attn, kernels, several GPUs, CUDA graphs, async batching, torch.compile -----------------------
-    ("test_continuous_batching_config_combinations_with_compile (4 cases)",
-     f"{GPU_ONLY} torch.compile (default_compile_level=1; 2 cases with CUDA graphs, 1 with flash-attn 2); cbcore "
-     "refuses compile with NotImplementedError for now (tests/test_config.py)"),
     ("test_continuous_batching_tuple_cuda_graph (2 cases)",
      f"{GPU_ONLY} flash-attn 3 and CUDA graphs (use_cuda_graph as a (varlen, decode) pair)"),
     ("test_memory_footprint_respects_max_memory_percent",
@@ -279,8 +276,6 @@ CUDA_GRAPHS = pytest.mark.skip(reason="needs CUDA graphs (use_cuda_graph=True), 
                                       "on the CPU")
 ASYNC = pytest.mark.skip(reason="needs async batching (use_async_batching=True: CUDA streams); cbcore refuses it for "
                                 "now")
-COMPILE = pytest.mark.skip(reason="needs torch.compile of the forward (default_compile_level=1); cbcore refuses it for "
-                                  "now")
 
 
 # =================================================================================================================
@@ -584,6 +579,26 @@ def test_config_combinations_without_compile_equal_generate(allow_block_sharing:
         model.set_attn_implementation("sdpa")
 
 
+@pytest.mark.parametrize("attn_implementation, use_cuda_graph", [
+    ("sdpa", False),
+    pytest.param("sdpa", True, marks=CUDA_GRAPHS),
+    pytest.param("eager", True, marks=CUDA_GRAPHS),
+    pytest.param("flash_attention_2", False, marks=FLASH),
+])
+def test_config_combinations_with_compile_equal_generate(attn_implementation: str, use_cuda_graph: bool) -> None:
+    """Original: test_continuous_batching_config_combinations_with_compile (4 cases: default_compile_level=1, two
+    with CUDA graphs, one with flash-attn 2). cbcore compiles its step on the CPU too (cbcore/compiled_step.py)."""
+    model = tiny_model("llama_gqa")
+    model.set_attn_implementation(attn_implementation)
+    try:
+        assert_generate_batch_equals_generate(
+            model, prompts_for(111), greedy_config(20),
+            cbcore.ContinuousBatchingConfig(use_cuda_graph=use_cuda_graph, default_compile_level=1))
+        assert model.config._attn_implementation == attn_implementation
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
 def test_fast_configuration_equals_generate() -> None:
     """Original: test_continuous_batching_fast (sdpa, no block sharing, no CUDA graphs, no async, no compile)."""
     assert_generate_batch_equals_generate(
@@ -593,17 +608,18 @@ def test_fast_configuration_equals_generate() -> None:
 
 
 def test_long_generation_equals_generate() -> None:
-    """Original: test_continuous_batching_long_generate (80 new tokens with block sharing). The original also turns on
-    CUDA graphs and compile, which need a GPU (and which cbcore refuses for now); the port keeps the rest."""
+    """Original: test_continuous_batching_long_generate (80 new tokens with block sharing, compiled). The original also
+    turns on CUDA graphs, which need a GPU (cbcore refuses them on the CPU); the port keeps the rest."""
     assert_generate_batch_equals_generate(
         tiny_model("llama_gqa"), prompts_for(108), greedy_config(80),
-        cbcore.ContinuousBatchingConfig(allow_block_sharing=True, use_async_batching=False, page_size=16))
+        cbcore.ContinuousBatchingConfig(allow_block_sharing=True, use_async_batching=False, page_size=16,
+                                        default_compile_level=1))
 
 
 @pytest.mark.parametrize("use_cuda_graph, use_compile", [
     (False, False),
     pytest.param(True, False, marks=CUDA_GRAPHS),
-    pytest.param(False, True, marks=COMPILE),
+    (False, True),
     pytest.param(True, True, marks=CUDA_GRAPHS),
 ])
 def test_gemma2_with_soft_capping_and_sliding_layers_equals_generate(use_cuda_graph: bool, use_compile: bool) -> None:

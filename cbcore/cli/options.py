@@ -42,6 +42,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     eng.add_argument("--max-batch-tokens", type=int, help="query-token budget of one step")
     eng.add_argument("--scheduler", choices=("fifo", "prefill_first"), help="scheduling policy (default: fifo)")
     eng.add_argument("--no-prefix-sharing", action="store_true", help="turn off prefix caching (block sharing)")
+    eng.add_argument("--compile-level", type=int, choices=(0, 1, 2, 3),
+                     help="torch.compile the step's forward (default_compile_level): 0 eager, 1 inductor, 2 and 3 "
+                     "autotuned (see the README); compiled ahead, and the time it took is printed")
 
 
 def build_cb_config(args: argparse.Namespace, **overrides: Any):
@@ -55,6 +58,7 @@ def build_cb_config(args: argparse.Namespace, **overrides: Any):
         "max_batch_tokens": args.max_batch_tokens,
         "scheduler_type": args.scheduler,
         "seed": args.seed,
+        "default_compile_level": getattr(args, "compile_level", None),
     }
     fields = {k: v for k, v in fields.items() if v is not None}
     if args.no_prefix_sharing:

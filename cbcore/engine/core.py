@@ -28,6 +28,7 @@ from ..cache import PagedKVCache
 from ..cache_shape import CacheShape
 from ..config import ContinuousBatchingConfig
 from ..requests import GenerationOutput, RequestState, RequestStatus, child_request_id
+from ..compiled_step import resolve_compile_configs
 from ..runner import ModelRunner, StepResult
 from ..sampling import LogitsProcessorSwitch, Sampler
 from ..scheduler import SCHEDULING_ORDERS, ScheduledBatch, ScheduledRequest, Scheduler
@@ -99,7 +100,7 @@ class EngineCore:
             generation_config, processors_for, cb_config.return_logprobs, cb_config.seed,
             cb_config.per_request_processors, logit_processor, do_sample,
         )
-        self.runner = ModelRunner(model, self.cache, sampler)
+        self.runner = ModelRunner(model, self.cache, sampler, resolve_compile_configs(cb_config, generation_config))
         cb_config.num_blocks = sizes.num_blocks
         cb_config.max_batch_tokens = sizes.max_batch_tokens
         cb_config.max_requests_per_batch = sizes.max_requests_per_batch
@@ -346,6 +347,21 @@ class EngineCore:
         return outputs
 
     # ---- weights and inspection --------------------------------------------------------------------------------
+
+    def compile_ahead(self) -> float:
+        """Compile the step's forward for every shape a step needs (cbcore/compiled_step.py), with the model bound
+        as it is while serving; returns the seconds it took (0.0 when nothing is compiled; milliseconds when the
+        graphs exist and are still valid)."""
+        forward = self.runner.step_forward
+        if not forward.compiled:
+            return 0.0
+        was_attached = self.binding.attached
+        self.binding.attach()
+        try:
+            return forward.warmup(self._vocab_size).total_seconds
+        finally:
+            if not was_attached:
+                self.binding.detach()
 
     def notice_weight_changes(self) -> None:
         """If any parameter changed in place since the last look (an update inside `pause()`, an optimizer step

@@ -66,3 +66,35 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 def _(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, sliding_window=None, softcap=None,
       sinks=None, kernel_mode="auto"):
     return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
+
+
+# ---- One layer's whole step attention, for the compiled forward --------------------------------------------------
+# The compiled forward traces the model's Python (norms, RoPE, MLPs) but not the step's batch layout: which rows are
+# decode rows, the block tables, the CPU kernels' per-step plans. Those change every step, and as graph inputs they
+# would make every step's count of decode rows a guard (a recompile) or force tensors where the kernels take plans.
+# So one op per layer takes only what the layer computed (q, k, v: their token dimension is the graph's one dynamic
+# size) and what is fixed at its call site (layer, scale, window, softcap, sinks), and reads the rest from the step
+# the runner is executing (`attention.current_step()`, set around the forward by `paged_step`), exactly as the eager
+# attention function does. It writes the layer's new K/V into that step's pages: pages the graph never sees (they are
+# not its inputs), so there is nothing for the compiler to order or functionalize around them.
+
+
+@torch.library.custom_op("cbcore::step_attention", mutates_args=())
+def step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float,
+                   sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+                   sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Layer `layer`'s attention in the current cbcore step: query `[1, heads, T, d]`, key/value `[1, kv_heads, T,
+    d]` / `[1, kv_heads, T, d_v]` (transformers' layout) -> `[1, T, heads, d_v]`. Raises RuntimeError outside a step."""
+    from ..attention import WarmupStep, current_step, run_step_attention
+
+    step = current_step()
+    if step is None:
+        raise RuntimeError("torch.ops.cbcore.step_attention ran outside a cbcore step (paged_step was not entered)")
+    if isinstance(step, WarmupStep):  # compiling ahead: no cache to attend over
+        return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[-1])
+    return run_step_attention(step, layer, query, key, value, scale, sliding_window, softcap, sinks)
+
+
+@step_attention.register_fake
+def _(query, key, value, layer, scale, sliding_window=None, softcap=None, sinks=None):
+    return query.new_empty(1, query.shape[2], query.shape[1], value.shape[-1])

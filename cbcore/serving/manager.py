@@ -112,6 +112,7 @@ class ContinuousBatchingManager(RequestSubmission, GenerationLoop):
         self._engine_needs_rebuild = False  # after the loop died mid-step, its state cannot be trusted
         self._steps_at_start = 0  # the engine's step count when the loop last started (current_batch)
         self.warmed_up = False
+        self.compile_seconds = 0.0  # spent compiling the step ahead (warmup or start), for logs and the CLI
 
         # The model is bound to cbcore's attention (engine.binding) by start() and handed back when the loop ends: a
         # manager that is built but never started leaves the model untouched (transformers switches it in __init__).
@@ -182,12 +183,15 @@ class ContinuousBatchingManager(RequestSubmission, GenerationLoop):
         return self.engine.runner if self.engine is not None else None
 
     def warmup(self) -> None:
-        """Build the engine (cache, scheduler, runner) ahead of the first request. cbcore has no CUDA graphs to
-        capture yet, so this is all warmup does."""
+        """Build the engine (cache, scheduler, runner) ahead of the first request and, when the step is compiled
+        (`default_compile_level`, `varlen_compile_config`, `decode_compile_config`), compile it for every shape a
+        step needs, so that no request pays for compilation (the seconds are logged and in `compile_seconds`).
+        `start()` does the same when `warmup()` was not called. cbcore has no CUDA graphs to capture yet."""
         self._refuse_if_destroyed("warmup")
         check_model_supported(self.model)  # a model cbcore cannot serve exactly is refused before anything is built
         if self.engine is None or self._engine_needs_rebuild:
             self._build_engine()
+        self.compile_seconds += self.engine.compile_ahead()
         self.warmed_up = True
 
     # ------------------------------------------------------------------------------------------- lifecycle ----
@@ -213,6 +217,7 @@ class ContinuousBatchingManager(RequestSubmission, GenerationLoop):
             if self.engine is None or self._engine_needs_rebuild:
                 self._build_engine()
             self._attach_to_model()
+            self.compile_seconds += self.engine.compile_ahead()
             if self_check_enabled():  # cbcore's paged path against the model's own forward, before any request
                 self_check(self.model, self._original_attn_impl)
         except BaseException:

@@ -87,6 +87,8 @@ def serve(args: argparse.Namespace, stderr: TextIO) -> int:
         manager.start()
     except (ValueError, NotImplementedError, RuntimeError) as error:
         raise UsageError(f"cannot serve this model: {error}") from error
+    if manager.compile_seconds:
+        print(f"cbcore serve: compiled the step in {manager.compile_seconds:.1f} s", file=stderr, flush=True)
     exit_code = EXIT_OK
     server: uvicorn.Server | None = None
     previous_handlers: dict[int, Any] = {}

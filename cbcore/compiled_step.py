@@ -1,0 +1,203 @@
+"""The step's forward, compiled: `torch.compile` of the model's own forward, one compiled function for steps that
+carry a prefill (varlen) and one for decode-only steps, as transformers' continuous batching compiles them.
+
+What is compiled: `model(input_ids, position_ids, logits_to_keep)` and the logits it returns. Inside it everything
+the model does between attention calls (embeddings, norms, RoPE, MLPs, residual adds, the packed linears) is traced
+and fused by inductor; each layer's attention is one opaque custom op, `torch.ops.cbcore.step_attention`
+(cbcore/ops/custom_ops.py), which reads the step's batch layout (decode rows, block tables, the CPU kernels' plans)
+from the step being executed when it runs. Nothing of a step's layout is a graph input, so the only size that varies
+between steps is the token count (and the count of emitting rows), marked dynamic: after warm-up no step recompiles.
+
+The configs (transformers' `CompileConfig`: backend, mode, fullgraph, dynamic, options) are resolved as transformers
+5.24 resolves them (`resolve_compile_configs`): an explicit `varlen_compile_config` / `decode_compile_config` wins;
+else `default_compile_level` 1-3 gives a default; else the generation config's `compile_config`; else none (eager).
+The levels:
+    0  eager (no compilation)
+    1  inductor, mode "default", dynamic token counts (transformers' level 1)
+    2  inductor, mode "max-autotune-no-cudagraphs" (autotuned kernels and matmul templates), dynamic token counts
+       (transformers' level 2)
+    3  as 2, plus coordinate-descent tuning of the generated GPU kernels. transformers' level 3 turns dynamic shapes
+       off, which its steps padded to CUDA-graph buckets allow; cbcore's are not padded, so static shapes would
+       compile one graph per token count, and level 3 keeps them dynamic
+`CBCORE_COMPILE=0` turns compilation off whatever the config says (a switch for debugging a compiled run).
+
+`warmup()` compiles ahead of the first request: it runs each compiled function on a few token counts (1, 2 and 3
+tokens, with one and with several emitting rows), with an attention that answers zeros and touches no cache, so every
+graph a real step needs exists before a request arrives; the time it took is logged and kept in the manager's
+`compile_seconds`. The compiled functions are kept per model, so the managers `generate_batch` builds one per call
+reuse the first one's graphs (their warm-up then takes milliseconds).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import types
+import weakref
+from dataclasses import dataclass
+
+import torch
+from transformers.generation.configuration_utils import CompileConfig
+
+from . import attention
+from .ops import custom_ops  # noqa: F401 - registers torch.ops.cbcore.step_attention
+from .switches import env_switch
+
+logger = logging.getLogger(__name__)
+
+COMPILE_ENV = "CBCORE_COMPILE"
+COMPILE_LEVELS = (0, 1, 2, 3)
+
+
+def default_compile_config(level: int) -> CompileConfig | None:
+    """The compile config of `default_compile_level` `level` (None for 0); see the module docstring."""
+    if level not in COMPILE_LEVELS:
+        raise ValueError(f"default_compile_level must be one of {COMPILE_LEVELS}, got {level!r}")
+    if level == 0:
+        return None
+    if level == 1:
+        return CompileConfig(mode="default", fullgraph=False, dynamic=True)
+    # transformers' level 3 also turns dynamic shapes off: with its steps padded to the CUDA-graph buckets that is
+    # a bounded set of graphs. cbcore's steps are not padded, so static shapes would compile one graph per token
+    # count (and fall back to eager past Dynamo's recompile limit); level 3 keeps them dynamic and adds the
+    # coordinate-descent tuning of the generated GPU kernels instead.
+    options = {"coordinate_descent_tuning": True} if level == 3 else None
+    return CompileConfig(mode="max-autotune-no-cudagraphs", fullgraph=False, dynamic=True, options=options)
+
+
+def resolve_compile_configs(cb_config, generation_config=None) -> tuple[CompileConfig | None, CompileConfig | None]:
+    """(varlen config, decode config) for the step's two compiled functions; None for a path run eagerly.
+
+    For each path: the explicit config, else the default level's, else the generation config's `compile_config`,
+    else None (transformers' order). `CBCORE_COMPILE=0` gives (None, None)."""
+    if not env_switch(COMPILE_ENV):
+        return None, None
+    default = default_compile_config(cb_config.default_compile_level)
+    fallback = getattr(generation_config, "compile_config", None) if generation_config is not None else None
+    resolved = []
+    for explicit in (cb_config.varlen_compile_config, cb_config.decode_compile_config):
+        config = explicit if explicit is not None else default if default is not None else fallback
+        if config is not None and not isinstance(config, CompileConfig):
+            raise TypeError(f"a compile config must be a transformers CompileConfig (or a dict of its fields), got "
+                            f"{type(config).__name__}")
+        resolved.append(config)
+    return resolved[0], resolved[1]
+
+
+@dataclass
+class CompileReport:
+    """What compilation cost: seconds spent compiling ahead (warm-up), per path."""
+
+    varlen_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def total_seconds(self) -> float:
+        """Both paths' seconds."""
+        return self.varlen_seconds + self.decode_seconds
+
+
+def _forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                    logits_to_keep: torch.Tensor | None) -> torch.Tensor:
+    """What is compiled: the model's own forward over the packed step (its attention reads the step being executed,
+    through `paged_step`), to its logits."""
+    kept = {"logits_to_keep": logits_to_keep} if logits_to_keep is not None else {}
+    return model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kept).logits
+
+
+@dataclass
+class _Compiled:
+    function: object  # the torch.compile wrapper
+    seconds: float = 0.0  # spent compiling it ahead, every warm-up together
+
+
+# model -> {(path, config): compiled function}. Kept per model rather than per engine, so that every manager of one
+# model (one per `generate_batch` call) reuses the graphs compiled for the first. Each function is a fresh copy of
+# `_forward_logits`'s code: Dynamo keeps its graphs (and counts them against its recompile limit) per code object, so
+# models and paths do not crowd each other out. The functions hold no reference to the model (it is an argument).
+_compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _compiled_function(model: torch.nn.Module, path: str, config: CompileConfig) -> _Compiled:
+    options = config.to_dict()
+    options.pop("_compile_all_devices", None)  # transformers' "compile everywhere" flag, not a torch.compile argument
+    if options.get("mode") is not None and options.get("options"):
+        # torch.compile takes a mode or inductor options, not both: the mode's options, then the config's own.
+        options["options"] = {**torch._inductor.list_mode_options(options["mode"]), **options["options"]}
+        options["mode"] = None
+    per_model = _compiled.setdefault(model, {})
+    key = (path, repr(sorted(options.items(), key=lambda item: item[0])))
+    if key not in per_model:
+        name = f"cbcore_{path}_step_{len(per_model)}"
+        code = _forward_logits.__code__.replace(co_name=name, co_qualname=name)
+        function = types.FunctionType(code, _forward_logits.__globals__, name)
+        per_model[key] = _Compiled(torch.compile(function, **options))
+    return per_model[key]
+
+
+def compile_seconds(model: torch.nn.Module) -> float:
+    """Seconds spent so far compiling `model`'s step ahead, every path and config (0.0 when never compiled)."""
+    return sum(compiled.seconds for compiled in _compiled.get(model, {}).values())
+
+
+class StepForward:
+    """The model's forward for one step, eager or compiled (per path: varlen, decode-only).
+
+    `__call__` runs inside `paged_step(step)`; the eager forward also receives the step through the model's kwargs
+    (what the attention function reads first), the compiled one reads it from `paged_step` through its custom op.
+    """
+
+    def __init__(self, model: torch.nn.Module, takes_logits_to_keep: bool,
+                 varlen_config: CompileConfig | None = None, decode_config: CompileConfig | None = None) -> None:
+        self.model = model
+        self.takes_logits_to_keep = takes_logits_to_keep
+        self.varlen_config, self.decode_config = varlen_config, decode_config
+        self._varlen = _compiled_function(model, "varlen", varlen_config) if varlen_config is not None else None
+        self._decode = _compiled_function(model, "decode", decode_config) if decode_config is not None else None
+        self.report = CompileReport()
+
+    @property
+    def compiled(self) -> bool:
+        """Whether either path is compiled."""
+        return self._varlen is not None or self._decode is not None
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor,
+                 step, decode_only: bool) -> torch.Tensor:
+        """The logits `[1, rows, vocab]` of this step's forward (every row's for a model without logits_to_keep)."""
+        compiled = self._decode if decode_only else self._varlen
+        kept = logits_to_keep if self.takes_logits_to_keep else None
+        if compiled is None:
+            extra = {"logits_to_keep": kept} if kept is not None else {}
+            return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra,
+                              **{attention.STEP_KWARG: step}).logits
+        return compiled.function(self.model, input_ids, position_ids, kept)
+
+    @torch.inference_mode()
+    def warmup(self, vocab_size: int) -> CompileReport:
+        """Compile every graph a step needs (token counts 1, 2, 3; one and several emitting rows), with an attention
+        that answers zeros and touches no cache. Logs and returns the seconds it took per path. The model must be
+        bound (cbcore's attention and linears attached).
+
+        Run by every engine, even when an earlier one compiled the same model: the graphs are reused then and this
+        takes milliseconds, unless something they guard on changed since (transformers' registry of model classes
+        grows when a new model class is built, for one), in which case they are compiled again here, ahead, rather
+        than in the first step."""
+        device = self.model.device
+        for path, compiled, shapes in (
+            ("decode", self._decode, [(1, 1), (2, 2), (3, 3)]),
+            ("varlen", self._varlen, [(2, 1), (3, 1), (3, 2), (4, 2), (4, 3)]),
+        ):
+            if compiled is None:
+                continue
+            began = time.perf_counter()
+            for num_tokens, num_rows in shapes:
+                input_ids = torch.randint(1, vocab_size, (1, num_tokens), device=device)
+                positions = torch.arange(num_tokens, device=device).view(1, -1)
+                rows = torch.arange(num_tokens - num_rows, num_tokens, device=device)
+                with attention.paged_step(attention.WarmupStep()):
+                    compiled.function(self.model, input_ids, positions, rows if self.takes_logits_to_keep else None)
+            seconds = time.perf_counter() - began
+            compiled.seconds += seconds
+            setattr(self.report, f"{path}_seconds", seconds)
+            logger.info(f"cbcore: compiled the {path} step ahead in {seconds:.1f} s")
+        return self.report
