@@ -97,7 +97,7 @@ def step(scheduler: Scheduler) -> ScheduledBatch:
     """`ContinuousBatchingManager._step` with a fake sampler in place of the forward: every emitting request gets
     one more token, and a request that is complete is finished (its blocks released)."""
     batch = scheduler.schedule()
-    assert not (batch.preempted or batch.capped or batch.failed), "the cache is sized so that nothing is preempted"
+    assert not (batch.preempted or batch.filled_the_cache or batch.failed), "the cache is sized so that nothing is preempted"
     # Read before on_step_done advances the requests, as the runner does while preparing the step.
     emitted = [item.state for item in batch.requests if item.emits_token]
     scheduler.on_step_done(batch)

@@ -285,13 +285,34 @@ def reference(model, prompt_list) -> list[tuple[list[int], list[float]]]:
     return outputs
 
 
+# `--compile`: serve through the compiled step (cbcore/compiled_step.py) with fullgraph=True, so a graph break raises,
+# and count as a failure any graph compiled after warm-up. Handed to spawned workers through the environment.
+COMPILE_ENV = "CBCORE_SWEEP_COMPILE"
+
+
+class _Recompiled(RuntimeError):
+    pass
+
+
 def serve(model, prompt_list, timeout: float = 120.0) -> list:
     """Serve the prompts through a cbcore manager; the terminal outputs in prompt order."""
     import cbcore
 
+    compiled = os.environ.get(COMPILE_ENV) == "1"
+    extra = {}
+    if compiled:
+        from transformers.generation.configuration_utils import CompileConfig
+
+        step = CompileConfig(mode="default", fullgraph=True, dynamic=True)
+        extra = {"varlen_compile_config": step, "decode_compile_config": step}
     config = cbcore.ContinuousBatchingConfig(page_size=PAGE_SIZE, max_batch_tokens=MAX_BATCH_TOKENS, num_blocks=64,
-                                             return_logprobs=True)
+                                             return_logprobs=True, **extra)
     manager = cbcore.ContinuousBatchingManager(model, greedy_config(), config)
+    if compiled:
+        import torch._dynamo.utils
+
+        manager.warmup()
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     manager.start()
     try:
         request_ids = manager.add_requests(prompt_list)
@@ -310,6 +331,10 @@ def serve(model, prompt_list, timeout: float = 120.0) -> list:
     missing = [rid for rid in request_ids if rid not in finals]
     if missing:
         raise RuntimeError(f"no terminal output for {missing}")
+    if compiled:
+        new = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+        if new:
+            raise _Recompiled(f"{new} graph(s) compiled after warm-up, while serving")
     return [finals[rid] for rid in request_ids]
 
 
@@ -447,14 +472,20 @@ def counts(results: list[SweepResult]) -> dict[str, int]:
     return {name: sum(r.result == name for r in results) for name in RESULTS}
 
 
-def write_table(results: list[SweepResult], path: Path, seconds: float, jobs: int) -> None:
+def write_table(results: list[SweepResult], path: Path, seconds: float, jobs: int, compiled: bool = False) -> None:
     """The committed markdown table."""
     import transformers
 
     tally = counts(results)
+    title = "# Architecture sweep, compiled step" if compiled else "# Architecture sweep"
+    compiled_note = (
+        "Served through the compiled step: `varlen_compile_config` and `decode_compile_config` both "
+        "`CompileConfig(mode='default', fullgraph=True, dynamic=True)`, compiled in `warmup()`; a graph break raises "
+        "(fullgraph) and any graph compiled after warm-up counts as a CRASH.") if compiled else ""
     lines = [
-        "# Architecture sweep",
+        title,
         "",
+        *([compiled_note, ""] if compiled else []),
         f"Every model type in transformers {transformers.__version__}'s `MODEL_FOR_CAUSAL_LM_MAPPING` "
         f"({len(results)}), as a tiny seeded fp32 model (2 layers, hidden 64, vocabulary {VOCAB}, sliding windows "
         f"{SLIDING_WINDOW}, query/key projections scaled so attention is sharp, embeddings untied), prompts of "
@@ -470,7 +501,8 @@ def write_table(results: list[SweepResult], path: Path, seconds: float, jobs: in
         f"Counts: {', '.join(f'{k} {v}' for k, v in tally.items())}. Run time {seconds / 60:.1f} min with "
         f"{jobs} process(es) of one thread each on {os.cpu_count()} CPU cores.",
         "",
-        "Reproduce: `python tests/architecture_sweep.py --out docs/architecture_sweep.md --jobs 2`",
+        ("Reproduce: `python tests/architecture_sweep.py --compile --out docs/architecture_sweep_compiled.md --jobs 2`"
+         if compiled else "Reproduce: `python tests/architecture_sweep.py --out docs/architecture_sweep.md --jobs 2`"),
         "",
         "| model type | class | result | reason |",
         "|---|---|---|---|",
@@ -486,7 +518,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the markdown table here")
     parser.add_argument("--jobs", type=int, default=1, help="processes (at most 2; each runs one torch thread)")
     parser.add_argument("--only", nargs="*", help="model types to run (default: all)")
+    parser.add_argument("--compile", action="store_true",
+                        help="serve through the compiled step (fullgraph=True: a graph break fails the model; so does "
+                        "a graph compiled after warm-up)")
     args = parser.parse_args(argv)
+    if args.compile:
+        os.environ[COMPILE_ENV] = "1"
     _worker_init()
     model_types = args.only or all_model_types()
     started = time.perf_counter()
@@ -494,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - started
     print(counts(results), f"{seconds:.0f}s")
     if args.out:
-        write_table(results, args.out, seconds, args.jobs)
+        write_table(results, args.out, seconds, args.jobs, args.compile)
     return 0 if not any(r.result in (WRONG, CRASH) for r in results) else 1
 
 

@@ -130,12 +130,14 @@ def run_padded_generate(model, workload: Workload, gen: GenerationConfig, batch_
     return {"tokens": tokens, "token_times": times, "wall_s": wall, "prefilled_tokens": prefilled}
 
 
-def run_generate_batch(model, workload: Workload, gen: GenerationConfig) -> dict[str, Any]:
-    """`model.generate_batch` (cbcore's when the model was passed through `cbcore.enable`, else transformers')."""
-    model.generate_batch([p[:8] for p in workload.prompts[:2]], gen, max_new_tokens=4)  # warm-up
+def run_generate_batch(model, workload: Workload, gen: GenerationConfig, cb_config=None) -> dict[str, Any]:
+    """`model.generate_batch` (cbcore's when the model was passed through `cbcore.enable`, else transformers'). The
+    warm-up call compiles the step when `cb_config` asks for it: its graphs are kept per model, so the timed call
+    reuses them."""
+    model.generate_batch([p[:8] for p in workload.prompts[:2]], gen, cb_config, max_new_tokens=4)  # warm-up
     counter = ForwardTokenCounter(model)
     t0 = time.perf_counter()
-    outputs = model.generate_batch(workload.prompts, gen, record_timestamps=True)
+    outputs = model.generate_batch(workload.prompts, gen, cb_config, record_timestamps=True)
     wall = time.perf_counter() - t0
     counter.remove()
     ordered = list(outputs.values())
@@ -168,8 +170,13 @@ def run_peer(spec: dict[str, Any]) -> dict[str, Any]:
         if peer == "cbcore":
             import cbcore
 
+            from cbcore.compiled_step import compile_seconds
+
             cbcore.enable(model)
-            return run_generate_batch(model, workload, gen)
+            level = spec.get("compile_level", 0)
+            result = run_generate_batch(model, workload, gen, cbcore.ContinuousBatchingConfig(default_compile_level=level))
+            result["compile_level"], result["compile_s"] = level, compile_seconds(model)
+            return result
         if peer == "transformers":
             return run_generate_batch(model, workload, gen)
     raise ValueError(f"unknown peer {peer!r}; choose one of {PEERS_IN_PROCESS}")

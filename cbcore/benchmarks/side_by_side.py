@@ -11,7 +11,8 @@ median with its min-max. Every peer's greedy tokens are compared with the `refer
 (`model.generate` one prompt at a time). Writes `<out>/side_by_side_<W>_<dtype>.json` and `.png`, and refreshes
 `<out>/side_by_side.md` from every JSON there.
 
-Peers: reference, cbcore, cbcore-1t (cbcore with one torch thread), transformers, generate (padded, batches of
+Peers: reference, cbcore, cbcore-1t (cbcore with one torch thread), cbcore-compiled (cbcore with
+`default_compile_level` = --compile-level, compiled in the warm-up call, before the timed one), transformers, generate (padded, batches of
 --generate-batch-size), vllm (vLLM-CPU with its default CPU binding) and vllm-2c (`VLLM_CPU_OMP_THREADS_BIND` over
 every core). The vLLM peers need vLLM's own venv (the checkout's bench/setup_vllm.sh builds it); without one they are
 skipped with a note saying how to get it.
@@ -34,7 +35,7 @@ from cbcore.benchmarks.peer_process import run_child
 from cbcore.benchmarks.workloads import Workload, build_workload
 
 DEFAULT_PEERS = ("reference", "cbcore", "transformers", "generate", "vllm", "vllm-2c")
-ALL_PEERS = DEFAULT_PEERS + ("cbcore-1t",)
+ALL_PEERS = DEFAULT_PEERS + ("cbcore-1t", "cbcore-compiled")
 VLLM_RUNNER = Path(__file__).resolve().parent / "vllm_runner.py"
 # Enough for every request of W1-W4 at once, so vLLM never preempts: the largest, W2 in fp32, needs 0.66 GiB
 # (64 requests x 640 tokens x 8 layers x K+V x 4 KV heads x 64 x 4 bytes). vLLM takes this variable in whole GiB.
@@ -76,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: 1; the committed runs use 3)",
     )
     parser.add_argument("--threads", type=_positive_int, default=2, metavar="N", help="torch threads for the peers in cbcore's venv")
+    parser.add_argument("--compile-level", type=int, choices=(1, 2, 3), default=1, metavar="N",
+                        help="default_compile_level of the cbcore-compiled peer (default: 1)")
     parser.add_argument(
         "--generate-batch-size", type=_positive_int, default=16, metavar="N", help="batch size of the padded generate peer"
     )
@@ -153,7 +156,8 @@ def peer_command(peer: str, workload: Workload, args: argparse.Namespace, scratc
             env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{os.cpu_count() - 1}"
         return [str(args.vllm_python), str(VLLM_RUNNER), str(request_path), str(out_path)], env, out_path
     spec = {
-        "peer": "cbcore" if peer == "cbcore-1t" else peer,
+        "peer": "cbcore" if peer in ("cbcore-1t", "cbcore-compiled") else peer,
+        "compile_level": args.compile_level if peer == "cbcore-compiled" else 0,
         "workload": workload.name,
         "limit_requests": args.limit_requests,
         "max_new_tokens": args.max_new_tokens,
