@@ -259,6 +259,8 @@ def paged_attention(
         step = current_step()  # a decoder layer dropped the forward's kwargs
     if isinstance(step, _ShapeProbe):
         return step.record(module, query, key, value)
+    if isinstance(step, WarmupStep):  # as the compiled step's op answers while compiling ahead
+        return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[-1]), None
     if step is None:  # not one of cbcore's steps: the model's own implementation (see outside_steps_implementation)
         own = module.__dict__.get(OUTSIDE_STEPS_ATTR)
         needs_eager = kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None

@@ -41,6 +41,7 @@ from transformers.generation.configuration_utils import CompileConfig
 
 from . import attention
 from .ops import custom_ops  # noqa: F401 - registers torch.ops.cbcore.step_attention
+from .positions import TRACED_POSITIONS
 from .switches import env_switch
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,12 @@ def _forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, position_id
     """What is compiled: the model's own forward over the packed step (its attention reads the step being executed,
     through `paged_step`), to its logits."""
     kept = {"logits_to_keep": logits_to_keep} if logits_to_keep is not None else {}
-    return model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kept).logits
+    # For decoders that compute positions themselves (cbcore/positions.py): the step's positions, as an input of the
+    # graph rather than read off the step's metadata.
+    TRACED_POSITIONS.value = position_ids.view(-1)
+    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kept).logits
+    TRACED_POSITIONS.value = None
+    return logits
 
 
 @dataclass

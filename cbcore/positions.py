@@ -21,6 +21,17 @@ import torch
 
 from .attention import current_step
 
+
+class _TracedPositions:
+    """The step's positions inside a trace of the compiled step (cbcore/compiled_step.py sets `value` around the
+    model call): the hook cannot read the thread-local step there, which would make the graph guard on each step's
+    metadata object, so it reads the positions the compiled function was given instead."""
+
+    value: torch.Tensor | None = None
+
+
+TRACED_POSITIONS = _TracedPositions()
+
 # The parameters that mark a positional embedding computing positions from a cache length unless given them.
 _POSITION_PARAMETERS = frozenset({"cache_length", "position_ids"})
 
@@ -65,8 +76,10 @@ class StepPositions:
     @staticmethod
     def _hook(index: int):
         def give_step_positions(module, args, kwargs):
-            step = current_step()
-            positions = getattr(step, "positions", None)
+            if torch.compiler.is_compiling():
+                positions = TRACED_POSITIONS.value
+            else:
+                positions = getattr(current_step(), "positions", None)
             if positions is None:  # outside cbcore's steps (or a shape probe): the model's own positions
                 return None
             if len(args) > index:
