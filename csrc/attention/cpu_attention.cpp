@@ -9,6 +9,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
+#include <c10/util/StringUtil.h>
 
 #include <algorithm>
 #include <array>
@@ -27,11 +28,16 @@
 #error "cbcore's CPU attention kernels use GCC/Clang vector extensions; build with GCC or Clang"
 #endif
 
-// The AVX2 copy needs GCC's `#pragma GCC target` on x86-64 (Clang builds get the generic copy only).
+// The AVX2 and AVX-512 copies need GCC's `#pragma GCC target` on x86-64 (Clang builds get the generic copy only).
 #if defined(__x86_64__) && !defined(__clang__)
 #define CBCORE_HAVE_AVX2_COPY 1
+#define CBCORE_HAVE_AVX512_COPY 1
+// The intrinsics' declarations only: each carries its own target attribute, so including them compiles no AVX
+// instruction into the generic copy.
+#include <immintrin.h>
 #else
 #define CBCORE_HAVE_AVX2_COPY 0
+#define CBCORE_HAVE_AVX512_COPY 0
 #endif
 
 #if defined(__clang__) || __GNUC__ >= 12
@@ -72,6 +78,7 @@ struct DecodeParams {
   int64_t out_stride_b;
   float* partials;   // per split chunk: num_rows x (max, sum, v_head_dim accumulators)
   int64_t num_rows;  // query heads
+  bool dpbf16;       // the AVX-512 copy may use vdpbf16ps (the CPU has AVX512-BF16 and the ISA allows it)
 };
 
 struct DecodeItem {
@@ -136,9 +143,28 @@ namespace avx2 {
 #pragma GCC pop_options
 #endif
 
+// The AVX-512 copy: the same kernels compiled for AVX-512F/BW/VL/DQ (32 vector registers, masked and 3-operand
+// forms; the 8-lane code stays 8 lanes), plus the 512-bit decode of cpu_attention_avx512.inc, whose bf16 dot
+// products use AVX512-BF16 in one function compiled for it and called only where the CPU has it.
+#if CBCORE_HAVE_AVX512_COPY
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+// GCC 12 warns inside its own AVX-512 headers (the "undefined" pass-through source of unmasked intrinsics).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+namespace avx512 {
+#define CB_WIDE_DECODE 1
+#include "attention/cpu_attention_kernels.inc"
+#undef CB_WIDE_DECODE
+}  // namespace avx512
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+#endif
+
 // ---- instruction set -----------------------------------------------------------------------------------
 
-enum class Isa { kGeneric, kAvx2 };
+// kAvx512 and kAvx512Bf16 run the same copy; kAvx512Bf16 also lets it use vdpbf16ps.
+enum class Isa { kGeneric, kAvx2, kAvx512, kAvx512Bf16 };
 
 bool cpu_has_avx2() {
 #if CBCORE_HAVE_AVX2_COPY
@@ -149,10 +175,54 @@ bool cpu_has_avx2() {
 #endif
 }
 
+bool cpu_has_avx512() {
+#if CBCORE_HAVE_AVX512_COPY
+  __builtin_cpu_init();
+  return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_avx512_bf16() {
+#if CBCORE_HAVE_AVX512_COPY
+  __builtin_cpu_init();
+  return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+Isa best_isa() {
+  if (cpu_has_avx512_bf16()) return Isa::kAvx512Bf16;
+  if (cpu_has_avx512()) return Isa::kAvx512;
+  return cpu_has_avx2() ? Isa::kAvx2 : Isa::kGeneric;
+}
+
 std::atomic<Isa>& active_isa() {
-  static std::atomic<Isa> isa{cpu_has_avx2() ? Isa::kAvx2 : Isa::kGeneric};
+  static std::atomic<Isa> isa{best_isa()};
   return isa;
 }
+
+// Runs NAME<T>(args...) of the active instruction set's copy.
+#if CBCORE_HAVE_AVX512_COPY
+#define CB_RUN_ISA(isa, NAME, ...)                                 \
+  do {                                                             \
+    switch (isa) {                                                 \
+      case Isa::kAvx512Bf16:                                       \
+      case Isa::kAvx512: avx512::NAME(__VA_ARGS__); break;         \
+      case Isa::kAvx2: avx2::NAME(__VA_ARGS__); break;             \
+      default: generic::NAME(__VA_ARGS__); break;                  \
+    }                                                              \
+  } while (0)
+#else
+#define CB_RUN_ISA(isa, NAME, ...)        \
+  do {                                    \
+    (void)(isa);                          \
+    generic::NAME(__VA_ARGS__);           \
+  } while (0)
+#endif
 
 // ---- argument checks -----------------------------------------------------------------------------------
 
@@ -463,20 +533,12 @@ void decode_attention_planned(const DecodePlan& decode_plan, const at::Tensor& q
                  plan.table.const_data_ptr<int32_t>(), plan.table.size(1),
                  static_cast<float>(scale), cap, sink,
                  out.data_ptr(), out.stride(0),
-                 partials.data(), heads};
-  const bool use_avx2 = active_isa().load() == Isa::kAvx2;
+                 partials.data(), heads, false};
+  const Isa isa = active_isa().load();
+  P.dpbf16 = isa == Isa::kAvx512Bf16;
   dispatch_dtype(q.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-#if CBCORE_HAVE_AVX2_COPY
-    if (use_avx2) {
-      avx2::decode_run<T>(P, plan.items, plan.total_cost);
-    } else {
-      generic::decode_run<T>(P, plan.items, plan.total_cost);
-    }
-#else
-    (void)use_avx2;
-    generic::decode_run<T>(P, plan.items, plan.total_cost);
-#endif
+    CB_RUN_ISA(isa, decode_run<T>, P, plan.items, plan.total_cost);
     merge_partials<T>(P, plan.merges);
   });
 }
@@ -568,19 +630,10 @@ void prefill_attention_planned(const PrefillPlan& prefill_plan, const at::Tensor
                   plan.cu.const_data_ptr<int32_t>(), plan.lens.const_data_ptr<int32_t>(),
                   static_cast<float>(scale), plan.window, cap, sink,
                   out.data_ptr(), out.stride(0)};
-  const bool use_avx2 = active_isa().load() == Isa::kAvx2;
+  const Isa isa = active_isa().load();
   dispatch_dtype(q.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-#if CBCORE_HAVE_AVX2_COPY
-    if (use_avx2) {
-      avx2::prefill_run<T>(P, plan.items, plan.total_cost);
-    } else {
-      generic::prefill_run<T>(P, plan.items, plan.total_cost);
-    }
-#else
-    (void)use_avx2;
-    generic::prefill_run<T>(P, plan.items, plan.total_cost);
-#endif
+    CB_RUN_ISA(isa, prefill_run<T>, P, plan.items, plan.total_cost);
   });
 }
 
@@ -599,19 +652,44 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   return out;
 }
 
-std::string isa() { return active_isa().load() == Isa::kAvx2 ? "avx2" : "generic"; }
+namespace {
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512Bf16: return "avx512_bf16";
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    default: return "generic";
+  }
+}
+
+}  // namespace
+
+std::string isa() { return isa_name(active_isa().load()); }
+
+std::vector<std::string> available_isas() {
+  std::vector<std::string> names{"generic"};
+  if (cpu_has_avx2()) names.push_back("avx2");
+  if (cpu_has_avx512()) names.push_back("avx512");
+  if (cpu_has_avx512_bf16()) names.push_back("avx512_bf16");
+  return names;
+}
 
 void set_isa(const std::string& name) {
   if (name == "auto") {
-    active_isa().store(cpu_has_avx2() ? Isa::kAvx2 : Isa::kGeneric);
-  } else if (name == "generic") {
-    active_isa().store(Isa::kGeneric);
-  } else if (name == "avx2") {
-    TORCH_CHECK_VALUE(cpu_has_avx2(), "cbcore: this CPU or build has no AVX2+FMA+F16C kernels");
-    active_isa().store(Isa::kAvx2);
-  } else {
-    TORCH_CHECK_VALUE(false, "cbcore: unknown instruction set '", name, "' (auto, generic, avx2)");
+    active_isa().store(best_isa());
+    return;
   }
+  for (const Isa isa : {Isa::kGeneric, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
+    if (name != isa_name(isa)) continue;
+    const auto names = available_isas();
+    TORCH_CHECK_VALUE(std::find(names.begin(), names.end(), name) != names.end(), "cbcore: this CPU or build has no ",
+                      name, " kernels (available: ", c10::Join(", ", names), ")");
+    active_isa().store(isa);
+    return;
+  }
+  TORCH_CHECK_VALUE(false, "cbcore: unknown instruction set '", name,
+                    "' (auto, generic, avx2, avx512, avx512_bf16)");
 }
 
 }  // namespace cpu

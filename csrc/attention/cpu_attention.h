@@ -49,6 +49,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace cbcore {
 namespace cpu {
@@ -69,7 +70,6 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
                              const at::Tensor& seq_lens_k, double scale, int64_t sliding_window, double softcap,
                              const std::optional<at::Tensor>& sinks);
 
-// The instruction set the kernels run with: "avx2" or "generic".
 // ---- plan once per step, run per layer ----------------------------------------------------------------
 // A step's block tables and lengths are the same for every layer: the work split (items, split-K merges) and the
 // validation of every block-table entry are done once, by a plan, and every layer's call reuses it. A plan is
@@ -114,9 +114,14 @@ void prefill_attention_planned(const PrefillPlan& plan, const at::Tensor& q, con
                                const at::Tensor& v_cache, double scale, double softcap,
                                const std::optional<at::Tensor>& sinks, const at::Tensor& out);
 
+// The instruction set the kernels run with: "avx512_bf16" (AVX-512 with vdpbf16ps for bf16), "avx512", "avx2" or
+// "generic".
 std::string isa();
 
-// Tests: force "generic" or "avx2" (ValueError if this CPU or build lacks it), or "auto".
+// The instruction sets this CPU and build can run, portable first.
+std::vector<std::string> available_isas();
+
+// Force one of available_isas() (ValueError naming the available ones otherwise), or "auto": the best one.
 void set_isa(const std::string& name);
 
 }  // namespace cpu

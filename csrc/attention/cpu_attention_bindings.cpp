@@ -2,6 +2,7 @@
 // pybind11 type casters (torch/csrc/utils/pybind.h: the part of <torch/extension.h> needed here, at a
 // fifth of its compile time). The GIL is released while a kernel runs, so the manager's other threads keep
 // going. Argument errors are c10::ValueError and reach Python as ValueError.
+#include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "attention/cpu_attention.h"
@@ -57,9 +58,13 @@ void register_cpu_attention_bindings(py::module_& m) {
         py::arg("k_cache"), py::arg("v_cache"), py::arg("scale"), py::arg("softcap"), py::arg("sinks"), py::arg("out"),
         py::call_guard<py::gil_scoped_release>(),
         "prefill_attention over a plan, writing into out [num_tokens, heads, v_head_dim] (contiguous, q's dtype).");
-  m.def("cpu_attention_isa", &cpu::isa, "The instruction set the CPU attention kernels use: 'avx2' or 'generic'.");
+  m.def("cpu_attention_isa", &cpu::isa,
+        "The instruction set the CPU attention kernels use: 'avx512_bf16', 'avx512', 'avx2' or 'generic'.");
+  m.def("cpu_attention_isas", &cpu::available_isas,
+        "The instruction sets this CPU and build can run the CPU attention kernels with, portable first.");
   m.def("_set_cpu_attention_isa", &cpu::set_isa, py::arg("name"),
-        "Tests and benchmarks: force 'generic' or 'avx2' (ValueError if unavailable), or 'auto'.");
+        "Force one of cpu_attention_isas() (ValueError naming the available ones otherwise), or 'auto' (the best); "
+        "cbcore.ops does it from CBCORE_CPU_ISA.");
 }
 
 }  // namespace cbcore
