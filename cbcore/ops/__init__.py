@@ -65,6 +65,7 @@ import torch
 
 from .reference import (  # noqa: F401 - the references are part of this module's face (tests, benchmarks)
     cache_write_reference,
+    cascade_decode_reference,
     decode_attention_reference,
     gather_pages,
     prefill_attention_reference,

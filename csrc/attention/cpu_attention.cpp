@@ -88,6 +88,23 @@ struct DecodeItem {
   bool first;       // the request's first chunk: the one that adds the sink (exactly once per request)
 };
 
+// Cascade decode: requests whose block tables start with the same physical blocks (prefix sharing) attend to that
+// common prefix together, as one matrix of queries (members x query heads) against keys read once, and each to its
+// own suffix alone (ordinary DecodeItems); the partial softmax states are merged like split-K chunks.
+struct CascadeGroup {
+  std::vector<int64_t> members;    // requests, in batch order
+  std::vector<int64_t> slot_base;  // per member: its first partial slot (the prefix chunks' slots come first)
+  int64_t table_request;           // a member whose block table row is read for the prefix (all hold the same)
+  int64_t prefix;                  // shared key positions [0, prefix)
+};
+
+struct CascadeItem {
+  int64_t group, kv_head;
+  int64_t row_begin, row_end;  // rows member * group + g of the group's members, for this kv head
+  int64_t begin, end;          // key positions inside the prefix (one split-K chunk of it)
+  int64_t chunk;               // which chunk: its slot is slot_base[member] + chunk; chunk 0 adds the sinks
+};
+
 struct PrefillParams {
   const void* q;
   int64_t q_stride_t, q_stride_h;
@@ -305,6 +322,8 @@ void check_table_row(const int32_t* row, int64_t max_blocks, int64_t num_blocks,
 // sum(l_i e^(m_i - M)). merges holds (request, first partial slot, number of chunks).
 template <typename T>
 void merge_partials(const DecodeParams& P, const std::vector<std::array<int64_t, 3>>& merges) {
+  // A cascade member whose suffix is empty and whose prefix is one chunk has one partial: the loop below is still
+  // right (weight e^0 = 1).
   const int64_t R = P.num_rows, D = P.v_head_dim;
   at::parallel_for(0, static_cast<int64_t>(merges.size()), 4, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(static_cast<size_t>(D));
@@ -423,6 +442,8 @@ struct DecodePlanData {
   int64_t num_blocks, page_size, kv_heads, heads;
   std::vector<DecodeItem> items;  // longest first
   std::vector<std::array<int64_t, 3>> merges;  // (request, first partial slot, count) of split requests
+  std::vector<CascadeGroup> groups;            // cascade groups (empty: plain decode)
+  std::vector<CascadeItem> cascade_items;      // their shared-prefix work, most expensive first
   int64_t num_partials = 0, total_cost = 0;
 };
 
@@ -464,8 +485,69 @@ void check_layer(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 
 }  // namespace
 
+namespace {
+
+// When a cascade group pays: at least kCascadeMinRows query rows per kv head (members x query heads per kv head;
+// fewer leave the shared-prefix matrix product mostly padding) sharing at least kCascadeMinPrefix leading keys.
+constexpr int64_t kCascadeMinRows = 8;
+constexpr int64_t kCascadeMinPrefix = 32;
+
+// The requests of a step that share leading physical blocks, grouped (DecodePlanData::groups). A request whose
+// sliding window starts after key 0 is left out (its window would cut into the shared prefix); so is every request
+// that shares too little. Requests are sorted by their block rows, so sharers are adjacent, then swept in that order:
+// a group grows while adding the next request does not lower the reads it saves, (members - 1) x prefix.
+std::vector<CascadeGroup> find_cascade_groups(const int32_t* rows, int64_t stride, const int32_t* len, int64_t batch,
+                                              int64_t page_size, int64_t window, int64_t group) {
+  auto blocks = [&](int64_t b) { return (len[b] + page_size - 1) / page_size; };
+  std::vector<int64_t> order;
+  for (int64_t b = 0; b < batch; ++b)
+    if (window <= 0 || len[b] <= window) order.push_back(b);
+  auto lcp = [&](int64_t a, int64_t b) {  // leading blocks two requests share
+    const int64_t n = std::min(blocks(a), blocks(b));
+    int64_t i = 0;
+    while (i < n && rows[a * stride + i] == rows[b * stride + i]) ++i;
+    return i;
+  };
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    const int64_t i = lcp(a, b);
+    if (i < std::min(blocks(a), blocks(b))) return rows[a * stride + i] < rows[b * stride + i];
+    return blocks(a) != blocks(b) ? blocks(a) < blocks(b) : a < b;
+  });
+  std::vector<CascadeGroup> groups;
+  for (size_t i = 0; i < order.size();) {
+    int64_t shared = blocks(order[i]), min_len = len[order[i]], prefix = min_len;
+    size_t j = i + 1;
+    for (; j < order.size(); ++j) {
+      const int64_t s = std::min(shared, lcp(order[j - 1], order[j]));
+      if (s == 0) break;
+      const int64_t next_len = std::min<int64_t>(min_len, len[order[j]]);
+      const int64_t next_prefix = std::min(s * page_size, next_len);
+      const int64_t members = static_cast<int64_t>(j - i);
+      if (members >= 2 && members * next_prefix < (members - 1) * prefix) break;
+      shared = s;
+      min_len = next_len;
+      prefix = next_prefix;
+    }
+    const int64_t members = static_cast<int64_t>(j - i);
+    if (members >= 2 && members * group >= kCascadeMinRows && prefix >= kCascadeMinPrefix) {
+      CascadeGroup g;
+      g.members.assign(order.begin() + i, order.begin() + j);
+      std::sort(g.members.begin(), g.members.end());
+      g.table_request = g.members[0];
+      g.prefix = prefix;
+      groups.push_back(std::move(g));
+    }
+    i = j;
+  }
+  std::sort(groups.begin(), groups.end(),
+            [](const CascadeGroup& a, const CascadeGroup& b) { return a.members[0] < b.members[0]; });
+  return groups;
+}
+
+}  // namespace
+
 DecodePlan plan_decode(const at::Tensor& block_table, const at::Tensor& seq_lens, int64_t num_blocks,
-                       int64_t page_size, int64_t kv_heads, int64_t heads, int64_t sliding_window) {
+                       int64_t page_size, int64_t kv_heads, int64_t heads, int64_t sliding_window, bool cascade) {
   check_plan_shape(num_blocks, page_size, kv_heads, heads);
   auto plan = std::make_shared<DecodePlanData>();
   plan->table = as_int32(block_table, "block_table", 2);
@@ -480,16 +562,24 @@ DecodePlan plan_decode(const at::Tensor& block_table, const at::Tensor& seq_lens
                     plan->table.size(0), " rows");
   const int32_t* len = plan->lens.const_data_ptr<int32_t>();
   const int32_t* rows = plan->table.const_data_ptr<int32_t>();
+  const int64_t stride = plan->table.size(1), group = heads / kv_heads;
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK_VALUE(len[b] >= 1, "cbcore decode_attention: request ", b, " has seq_len ", len[b],
+                      "; it must be >= 1");
+    check_table_row(rows + b * stride, stride, num_blocks, page_size, len[b], b);
+  }
+  if (cascade) plan->groups = find_cascade_groups(rows, stride, len, batch, page_size, window, group);
+  std::vector<int64_t> prefix(batch, 0);  // keys a cascade group attends for the request
+  for (const CascadeGroup& g : plan->groups)
+    for (int64_t b : g.members) prefix[b] = g.prefix;
 
-  // Key range and chunks of each request.
+  // Each request's own key range (after its window's start and its cascade prefix) and its chunks.
   std::vector<int64_t> begins(batch);
   int64_t num_chunks = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t n = len[b];
-    TORCH_CHECK_VALUE(n >= 1, "cbcore decode_attention: request ", b, " has seq_len ", n, "; it must be >= 1");
-    check_table_row(rows + b * plan->table.size(1), plan->table.size(1), num_blocks, page_size, n, b);
-    begins[b] = window > 0 ? std::max<int64_t>(0, n - window) : 0;
-    num_chunks += (n - 1) / kDecodeChunk - begins[b] / kDecodeChunk + 1;
+    begins[b] = std::max<int64_t>(window > 0 ? std::max<int64_t>(0, n - window) : 0, prefix[b]);
+    if (begins[b] < n) num_chunks += (n - 1) / kDecodeChunk - begins[b] / kDecodeChunk + 1;
     plan->total_cost += (n - begins[b]) * heads;
   }
   // An item takes every kv head of its chunk (pages are then read front to back) unless that leaves too few items
@@ -498,21 +588,63 @@ DecodePlan plan_decode(const at::Tensor& block_table, const at::Tensor& seq_lens
   while (head_split < kv_heads && num_chunks * head_split < 4 * at::get_num_threads()) head_split *= 2;
   const int64_t heads_per_item = (kv_heads + head_split - 1) / head_split;
 
+  std::vector<int64_t> slot_base(batch, -1);
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t n = len[b], begin = begins[b];
+    const int64_t prefix_chunks = (prefix[b] + kDecodeChunk - 1) / kDecodeChunk;
     const int64_t first_chunk = begin / kDecodeChunk, last_chunk = (n - 1) / kDecodeChunk;
-    if (first_chunk != last_chunk) plan->merges.push_back({b, plan->num_partials, last_chunk - first_chunk + 1});
-    for (int64_t c = first_chunk; c <= last_chunk; ++c) {
-      const int64_t partial = first_chunk == last_chunk ? -1 : plan->num_partials++;
+    const int64_t own_chunks = begin < n ? last_chunk - first_chunk + 1 : 0;
+    const bool merged = prefix_chunks + own_chunks > 1 || prefix[b] > 0;
+    if (merged) {
+      slot_base[b] = plan->num_partials;
+      plan->merges.push_back({b, plan->num_partials, prefix_chunks + own_chunks});
+      plan->num_partials += prefix_chunks;  // the cascade prefix's slots, then the request's own chunks'
+    }
+    for (int64_t c = first_chunk; own_chunks > 0 && c <= last_chunk; ++c) {
+      const int64_t partial = merged ? plan->num_partials++ : -1;
+      // The sink is added once per request: by its cascade prefix when it has one, else by its first chunk.
       for (int64_t h = 0; h < kv_heads; h += heads_per_item)
         plan->items.push_back({b, h, std::min(kv_heads, h + heads_per_item), std::max(begin, c * kDecodeChunk),
-                               std::min(n, (c + 1) * kDecodeChunk), partial, c == first_chunk});
+                               std::min(n, (c + 1) * kDecodeChunk), partial, c == first_chunk && prefix[b] == 0});
     }
   }
   std::stable_sort(plan->items.begin(), plan->items.end(), [](const DecodeItem& a, const DecodeItem& b) {
     return (a.end - a.begin) * (a.head_end - a.head_begin) > (b.end - b.begin) * (b.head_end - b.head_begin);
   });
+
+  // The shared prefixes: (group, kv head, tile of rows, chunk of keys). Tiles of up to 128 rows (as prefill),
+  // smaller when that leaves fewer than two items per thread.
+  int64_t prefix_units = 0;
+  for (const CascadeGroup& g : plan->groups) prefix_units += kv_heads * ((g.prefix + kDecodeChunk - 1) / kDecodeChunk);
+  const int64_t wanted = 2 * at::get_num_threads();
+  for (size_t gi = 0; gi < plan->groups.size(); ++gi) {
+    CascadeGroup& g = plan->groups[gi];
+    for (int64_t b : g.members) g.slot_base.push_back(slot_base[b]);
+    const int64_t total_rows = static_cast<int64_t>(g.members.size()) * group;
+    int64_t tile = std::min<int64_t>(128, total_rows);
+    if (prefix_units < wanted) {
+      const int64_t pieces = (wanted + prefix_units - 1) / prefix_units;
+      tile = std::max<int64_t>(std::min<int64_t>(16, total_rows), (total_rows + pieces - 1) / pieces);
+    }
+    tile = (tile + 3) / 4 * 4;  // whole micro-tiles of 4 rows
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t r = 0; r < total_rows; r += tile)
+        for (int64_t c = 0; c * kDecodeChunk < g.prefix; ++c)
+          plan->cascade_items.push_back({static_cast<int64_t>(gi), h, r, std::min(total_rows, r + tile),
+                                         c * kDecodeChunk, std::min(g.prefix, (c + 1) * kDecodeChunk), c});
+    plan->total_cost += g.prefix * total_rows * kv_heads;
+  }
+  std::stable_sort(plan->cascade_items.begin(), plan->cascade_items.end(),
+                   [](const CascadeItem& a, const CascadeItem& b) {
+                     return (a.end - a.begin) * (a.row_end - a.row_begin) > (b.end - b.begin) * (b.row_end - b.row_begin);
+                   });
   return DecodePlan(std::move(plan));
+}
+
+std::vector<std::pair<std::vector<int64_t>, int64_t>> DecodePlan::cascade_groups() const {
+  std::vector<std::pair<std::vector<int64_t>, int64_t>> out;
+  for (const CascadeGroup& g : data->groups) out.emplace_back(g.members, g.prefix);
+  return out;
 }
 
 void decode_attention_planned(const DecodePlan& decode_plan, const at::Tensor& q, const at::Tensor& k_cache,
@@ -538,14 +670,15 @@ void decode_attention_planned(const DecodePlan& decode_plan, const at::Tensor& q
   P.dpbf16 = isa == Isa::kAvx512Bf16;
   dispatch_dtype(q.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    CB_RUN_ISA(isa, decode_run<T>, P, plan.items, plan.total_cost);
+    CB_RUN_ISA(isa, decode_run<T>, P, plan.items, plan.groups, plan.cascade_items, plan.total_cost);
     merge_partials<T>(P, plan.merges);
   });
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
-                            int64_t sliding_window, double softcap, const std::optional<at::Tensor>& sinks) {
+                            int64_t sliding_window, double softcap, const std::optional<at::Tensor>& sinks,
+                            bool cascade) {
   check_caches(k_cache, v_cache);
   check_query(q, k_cache);
   TORCH_CHECK_VALUE(block_table.dim() >= 1 && seq_lens.dim() >= 1 && block_table.size(0) == q.size(0) &&
@@ -554,7 +687,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                     block_table.dim() ? block_table.size(0) : 0, " rows and seq_lens ",
                     seq_lens.dim() ? seq_lens.size(0) : 0, " entries");
   const DecodePlan plan = plan_decode(block_table, seq_lens, k_cache.size(0), k_cache.size(1), k_cache.size(2),
-                                      q.size(1), sliding_window);
+                                      q.size(1), sliding_window, cascade);
   at::Tensor out = at::empty({q.size(0), q.size(1), v_cache.size(3)}, q.options());
   decode_attention_planned(plan, q, k_cache, v_cache, scale, softcap, sinks, out);
   return out;

@@ -49,6 +49,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace cbcore {
@@ -62,7 +63,8 @@ void cache_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_c
 // One query token per request against that request's pages. Returns [batch, heads, v_head_dim] in q's dtype.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
-                            int64_t sliding_window, double softcap, const std::optional<at::Tensor>& sinks);
+                            int64_t sliding_window, double softcap, const std::optional<at::Tensor>& sinks,
+                            bool cascade = true);
 
 // Packed bottom-right aligned causal attention over the pages. Returns [num_tokens, heads, v_head_dim].
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -87,6 +89,8 @@ class CBCORE_HIDDEN DecodePlan {
  public:
   explicit DecodePlan(std::shared_ptr<const DecodePlanData> data) : data(std::move(data)) {}
   int64_t batch() const;
+  // The cascade groups: (member requests, shared prefix length) each.
+  std::vector<std::pair<std::vector<int64_t>, int64_t>> cascade_groups() const;
   std::shared_ptr<const DecodePlanData> data;
 };
 
@@ -100,7 +104,8 @@ class CBCORE_HIDDEN PrefillPlan {
 // Validates block_table / seq_lens against a cache of num_blocks x page_size and splits the work for kv_heads x
 // heads attention with this window (-1: none). ValueError naming the request and the entry on bad input.
 DecodePlan plan_decode(const at::Tensor& block_table, const at::Tensor& seq_lens, int64_t num_blocks,
-                       int64_t page_size, int64_t kv_heads, int64_t heads, int64_t sliding_window);
+                       int64_t page_size, int64_t kv_heads, int64_t heads, int64_t sliding_window,
+                       bool cascade = true);
 
 void decode_attention_planned(const DecodePlan& plan, const at::Tensor& q, const at::Tensor& k_cache,
                               const at::Tensor& v_cache, double scale, double softcap,
