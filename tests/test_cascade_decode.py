@@ -221,3 +221,30 @@ def test_the_step_plans_cascade_for_a_w2_like_batch() -> None:
     out = torch.empty(64, 8, 64)
     ops.decode_attention(q, k, v, table, lens, 0.125, mode="cpu", plans=plans, out=out)
     assert_close(out, ops.decode_attention_reference(q, k, v, table, lens, 0.125))
+
+
+def test_engine_with_cascade_gives_model_generate_tokens(monkeypatch) -> None:
+    """Eight prompts sharing a 40-token prefix (five pages of 8, shared by prefix caching) and their own 3-10 tokens:
+    the decode steps cascade (recorded from the step plans), and every request's greedy tokens equal
+    `model.generate` on its prompt alone."""
+    import cbcore
+    from conftest import greedy_config, random_prompts, reference_tokens, run_engine, tiny_model
+
+    model = tiny_model("llama_gqa")
+    prefix = random_prompts([40], seed=21)[0]
+    prompts = [prefix + own for own in random_prompts([3, 5, 7, 10, 4, 6, 8, 9], seed=22)]
+    seen: list = []
+    original = ops.StepKernelPlans.decode
+
+    def recording(self, *args, **kwargs):
+        plan = original(self, *args, **kwargs)
+        seen.append(plan.cascade_groups)
+        return plan
+
+    monkeypatch.setattr(ops.StepKernelPlans, "decode", recording)
+    monkeypatch.setenv("CBCORE_KERNELS", "cpu")
+    generation = greedy_config(8)
+    outputs, _ = run_engine(model, prompts, generation, cbcore.ContinuousBatchingConfig(page_size=8))
+    assert any(groups and len(groups[0][0]) >= 4 and groups[0][1] == 40 for groups in seen), seen
+    for prompt, output in zip(prompts, outputs.values()):
+        assert output.generated_tokens == reference_tokens(model, prompt, generation)
