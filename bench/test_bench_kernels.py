@@ -22,7 +22,9 @@ Implementations: `cpp-<isa>` for every instruction set this CPU runs (`cbcore.op
 avx512_bf16; the last is what cbcore.ops uses on this machine), `reference` the plain-torch specification
 (cbcore.ops.*_reference; on the smaller shapes only, it is 10-100x slower).
 
-Threads: all cores (torch.set_num_threads(os.cpu_count())), or $CBCORE_BENCH_THREADS. Run it (`bench/` is not in the
+Threads: all cores (torch.set_num_threads(os.cpu_count())), or $CBCORE_BENCH_THREADS. On a busy machine,
+`CBCORE_BENCH_THREADS=1 ... --benchmark-timer time.thread_time` times the calling thread's CPU time, on which the
+kernels then run alone (the report says which timer ran). Run it (`bench/` is not in the
 default test paths) and keep the JSON; the module also writes bench/results/kernels_cpu.md:
 
     python -m pytest bench/test_bench_kernels.py --benchmark-only --benchmark-json bench/results/kernels_cpu.json
@@ -239,7 +241,7 @@ def _targets(rows: list[dict], bandwidth: float | None) -> list[str]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _write_report():
+def _write_report(request):
     yield
     if not ROWS:
         return
@@ -258,7 +260,11 @@ def _write_report():
         "- counts: decode GB/s = K+V bytes read / median time, % = of this run's `sum` read bandwidth, tokens/s = "
         "batch / median time; prefill GFLOP/s = 4 x heads x head_dim x causal (query, key) pairs / median time; "
         "memory = torch sum (read) and copy (read + write) of 256 MiB",
-        f"- command: `{COMMAND}`",
+        f"- command: `{COMMAND}`" + (f" with CBCORE_BENCH_THREADS={THREADS}" if "CBCORE_BENCH_THREADS" in os.environ
+                                      else ""),
+        f"- timer: {request.config.getoption('benchmark_timer', None) or 'time.perf_counter'} (pytest-benchmark's "
+        "--benchmark-timer; time.thread_time counts the calling thread's CPU time only, so with one thread it leaves "
+        "out the time other work on the machine takes the core)",
         "- the machine is shared with other work: absolute figures move by up to ±30% between runs; ratios are "
         "between rows of this one run",
         "",
