@@ -109,6 +109,11 @@ def _apply_cpu_isa(module: ModuleType) -> None:
     """Force the instruction set CBCORE_CPU_ISA names (unset or "auto": the best this CPU runs)."""
     value = os.environ.get(CPU_ISA_ENV, "")
     name = value.strip().lower() or "auto"
+    if not hasattr(module, "cpu_attention_isas"):  # a build from before the AVX-512 copy: one choice, its own
+        if name != "auto":
+            raise ValueError(f"{CPU_ISA_ENV}={value!r} needs a cbcore._C built with instruction-set selection; "
+                             "reinstall cbcore")
+        return
     available = module.cpu_attention_isas()
     if name != "auto" and name not in available:
         raise ValueError(f"{CPU_ISA_ENV}={value!r}: this CPU and build run the CPU attention kernels with "
