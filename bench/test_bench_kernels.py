@@ -1,22 +1,30 @@
-"""Microbenchmarks: the C++ CPU attention kernels (cbcore._C) against the plain-torch references, in one run, with
-this machine's memory bandwidth measured alongside as the ceiling for decode.
+"""Microbenchmarks: the C++ CPU attention kernels (cbcore._C), per instruction set, against the plain-torch references
+and this machine's memory bandwidth measured in the same run.
 
-Workload: a small-model attention shape, 16 query heads over 4 kv heads (GQA 4), head_dim 64, page size 16, fp32
-and bf16 caches. Every request's pages are scattered in shuffled block order (as a long-running cache leaves them).
-- decode: `batch` requests of `context` keys each, one query token per request.
+Shapes (every request's pages scattered in shuffled block order, as a long-running cache leaves them):
+- decode: head shapes `9/3x64` (SmolLM2-135M: 9 query heads over 3 kv heads, head_dim 64) and `32/8x128` (a 7-8B
+  Llama: 32 over 8, head_dim 128); batch x context 32x1024 and 64x2048; page size 16; fp32 and bf16.
     GB/s = bytes of K and V the op must read / time = batch x context x kv_heads x head_dim x 2 (K, V) x bytes per
-    element. The query, block table and output are negligible beside them.
-- prefill: `batch` whole prompts of `context` tokens each, packed (cu_seqlens), causal.
-    GFLOP/s = 4 x heads x head_dim x (visible (query, key) pairs) / time, where a prompt of L tokens has L(L+1)/2
-    visible pairs under the causal mask (2 flops per multiply-add, once for QK^T and once for PV; masked pairs and
-    the softmax are not counted).
-- machine: `x.sum()` over a 256 MiB fp32 tensor (bytes read / time) and `y.copy_(x)` (bytes read + written / time),
-    both with torch's own vectorised kernels on all threads: the practical read-bandwidth ceiling for decode.
+    element; tokens/s = batch / time (one layer's decode of the step). The query, block table and output are
+    negligible beside them.
+- cascade: W2's step shape (`python -m cbcore bench --workload W2`'s random Llama: 8 query heads over 4 kv heads,
+  head_dim 64, the default page size 256): 64 requests sharing a 512-token prefix (the same two physical pages in
+  every block table, as prefix sharing leaves them) plus 16..64 own prompt tokens and 0..63 generated ones. One
+  layer's decode attention with the step's plan built beforehand (as every layer but the first reuses it):
+  `cascade` (the plan groups the 64) against `plain` (`plan_decode(..., cascade=False)`).
+- prefill: 9/3x64, whole prompts packed (cu_seqlens), causal: batch x prompt 1x512, 4x1024, 2x2048.
+    GFLOP/s = 4 x heads x head_dim x (visible (query, key) pairs) / time; a prompt of L tokens has L(L+1)/2 visible
+    pairs (2 flops per multiply-add, once for QK^T and once for PV; masked pairs and the softmax are not counted).
+- machine: `x.sum()` over 256 MiB fp32 (bytes read / time) and `y.copy_(x)` (bytes read + written / time), torch's own
+    vectorised kernels on all threads: the practical read-bandwidth ceiling for decode.
 
-Implementations: "cpp" is what cbcore/ops runs on the CPU (the AVX2 copy where the CPU has AVX2+FMA+F16C), "cpp-generic"
-the portable copy (what older CPUs run), "reference" the plain-torch specification (cbcore.ops.*_reference).
+Implementations: `cpp-<isa>` for every instruction set this CPU runs (`cbcore.ops.cpu_isas()`: generic, avx2, avx512,
+avx512_bf16; the last is what cbcore.ops uses on this machine), `reference` the plain-torch specification
+(cbcore.ops.*_reference; on the smaller shapes only, it is 10-100x slower).
 
-Threads: all cores (torch.set_num_threads(os.cpu_count())), or $CBCORE_BENCH_THREADS. Run it (`bench/` is not in the
+Threads: all cores (torch.set_num_threads(os.cpu_count())), or $CBCORE_BENCH_THREADS. On a busy machine,
+`CBCORE_BENCH_THREADS=1 ... --benchmark-timer time.thread_time` times the calling thread's CPU time, on which the
+kernels then run alone (the report says which timer ran). Run it (`bench/` is not in the
 default test paths) and keep the JSON; the module also writes bench/results/kernels_cpu.md:
 
     python -m pytest bench/test_bench_kernels.py --benchmark-only --benchmark-json bench/results/kernels_cpu.json
@@ -36,14 +44,19 @@ from cbcore.benchmarks.machine import cpu_model
 _C = ops._cpu_kernels()
 pytestmark = pytest.mark.skipif(_C is None, reason="cbcore._C was built without the CPU attention kernels")
 
-HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 16, 4, 64, 16
+PAGE_SIZE = 16
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-DECODE_SHAPES = [(8, 512), (32, 1024), (64, 2048)]  # (batch, context)
+HEAD_SHAPES = {"9/3x64": (9, 3, 64), "32/8x128": (32, 8, 128)}  # heads, kv heads, head dim
+DECODE_SHAPES = [(32, 1024), (64, 2048)]  # (batch, context)
 PREFILL_SHAPES = [(1, 512), (4, 1024), (2, 2048)]  # (batch, prompt length)
-IMPLEMENTATIONS = ["cpp", "cpp-generic", "reference"]
+ISAS = ops.cpu_isas()
+IMPLEMENTATIONS = [f"cpp-{isa}" for isa in ISAS] + ["reference"]
+PREFILL_IMPLEMENTATIONS = [f"cpp-{isa}" for isa in ISAS if isa != "generic"] + ["reference"]
 THREADS = int(os.environ.get("CBCORE_BENCH_THREADS", os.cpu_count() or 1))
 RESULTS_DIR = Path(os.environ.get("CBCORE_BENCH_RESULTS", Path(__file__).resolve().parent / "results"))
 COMMAND = "python -m pytest bench/test_bench_kernels.py --benchmark-only --benchmark-json bench/results/kernels_cpu.json"
+# W2 (cbcore/benchmarks/workloads.py and models.py): the random Llama's attention and the shared prefix.
+W2_HEADS, W2_KV_HEADS, W2_HEAD_DIM, W2_PAGE, W2_BATCH, W2_PREFIX = 8, 4, 64, 256, 64, 512
 
 ROWS: list[dict] = []
 
@@ -54,75 +67,123 @@ def _threads():
     torch.set_num_threads(THREADS)
     yield
     torch.set_num_threads(previous)
+    _C._set_cpu_attention_isa("auto")
 
 
-def paged_inputs(batch: int, context: int, dtype: torch.dtype, num_queries: int, seed: int = 0):
+def paged_inputs(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 num_queries: int, seed: int = 0):
     """Caches with each request's blocks shuffled through the whole cache, the block table, and queries."""
     generator = torch.Generator().manual_seed(seed)
     blocks = batch * (-(-context // PAGE_SIZE))
-    shape = (blocks, PAGE_SIZE, KV_HEADS, HEAD_DIM)
+    shape = (blocks, PAGE_SIZE, kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=generator).to(dtype)
     v_cache = torch.randn(shape, generator=generator).to(dtype)
     table = torch.randperm(blocks, generator=generator).view(batch, -1).to(torch.int32)
-    q = torch.randn(num_queries, HEADS, HEAD_DIM, generator=generator).to(dtype)
+    q = torch.randn(num_queries, heads, head_dim, generator=generator).to(dtype)
     return q, k_cache, v_cache, table
 
 
 def run_and_time(benchmark, fn, slow: bool) -> float:
-    """Median seconds per call; the reference gets fewer rounds (it is 10-100x slower)."""
+    """Median seconds per call; the reference gets fewer rounds."""
     rounds, iterations = (3, 1) if slow else (10, 3)
     benchmark.pedantic(fn, rounds=rounds, iterations=iterations, warmup_rounds=1)
     return benchmark.stats.stats.median
 
 
-def with_isa(implementation: str, fn):
-    """fn, run with the kernels' generic copy for "cpp-generic"."""
-    if implementation != "cpp-generic":
-        return fn
+def on_isa(implementation: str, fn):
+    """fn, run with the kernels' copy for `cpp-<isa>`."""
+    isa = implementation.removeprefix("cpp-")
 
-    def generic():
-        _C._set_cpu_attention_isa("generic")
-        try:
-            return fn()
-        finally:
-            _C._set_cpu_attention_isa("auto")
-    return generic
+    def run():
+        _C._set_cpu_attention_isa(isa)
+        return fn()
+    return run
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize(("batch", "context"), DECODE_SHAPES, ids=[f"{b}x{c}" for b, c in DECODE_SHAPES])
-def test_decode(benchmark, batch, context, dtype, implementation) -> None:
-    q, k_cache, v_cache, table = paged_inputs(batch, context, DTYPES[dtype], batch)
+@pytest.mark.parametrize("head_shape", list(HEAD_SHAPES))
+def test_decode(benchmark, head_shape, batch, context, dtype, implementation) -> None:
+    heads, kv_heads, head_dim = HEAD_SHAPES[head_shape]
+    if implementation == "reference" and (batch, context, head_shape) != (32, 1024, "9/3x64"):
+        pytest.skip("the reference runs on the smallest shape only (seconds per call beyond it)")
+    q, k_cache, v_cache, table = paged_inputs(batch, context, heads, kv_heads, head_dim, DTYPES[dtype], batch)
     lens = torch.full((batch,), context, dtype=torch.int32)
-    scale = HEAD_DIM**-0.5
+    scale = head_dim**-0.5
     if implementation == "reference":
         fn = lambda: ops.decode_attention_reference(q, k_cache, v_cache, table, lens, scale)  # noqa: E731
     else:
-        fn = with_isa(implementation, lambda: _C.decode_attention(q, k_cache, v_cache, table, lens, scale, -1))
+        fn = on_isa(implementation, lambda: _C.decode_attention(q, k_cache, v_cache, table, lens, scale, -1))
     seconds = run_and_time(benchmark, fn, slow=implementation == "reference")
-    bytes_read = 2 * batch * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
-    benchmark.extra_info.update(op="decode", batch=batch, context=context, dtype=dtype, implementation=implementation,
-                                threads=THREADS, bytes_read=bytes_read, gb_per_s=bytes_read / seconds / 1e9)
+    bytes_read = 2 * batch * context * kv_heads * head_dim * k_cache.element_size()
+    benchmark.extra_info.update(op="decode", heads=head_shape, batch=batch, context=context, dtype=dtype,
+                                implementation=implementation, threads=THREADS, bytes_read=bytes_read,
+                                gb_per_s=bytes_read / seconds / 1e9, tokens_per_s=batch / seconds)
     ROWS.append(dict(benchmark.extra_info, ms=seconds * 1e3))
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def w2_step(dtype: torch.dtype, seed: int = 0):
+    """W2's decode step: 64 requests, blocks 0 and 1 (the 512-token prefix) shared by all, their own blocks after."""
+    generator = torch.Generator().manual_seed(seed)
+    own = torch.randint(16, 65, (W2_BATCH,), generator=generator) + torch.randint(0, 64, (W2_BATCH,),
+                                                                                  generator=generator)
+    lens = (W2_PREFIX + own).to(torch.int32)
+    shared = W2_PREFIX // W2_PAGE
+    per_request = [-(-int(n) // W2_PAGE) - shared for n in lens]
+    num_blocks = shared + sum(per_request) + 1
+    order = torch.randperm(num_blocks, generator=generator)
+    width = shared + max(per_request)
+    table = torch.zeros(W2_BATCH, width, dtype=torch.int32)
+    next_block = shared
+    for i, count in enumerate(per_request):
+        ids = list(range(shared)) + list(range(next_block, next_block + count))
+        next_block += count
+        table[i, :len(ids)] = order[torch.tensor(ids)].to(torch.int32)
+    shape = (num_blocks, W2_PAGE, W2_KV_HEADS, W2_HEAD_DIM)
+    k_cache = torch.randn(shape, generator=generator).to(dtype)
+    v_cache = torch.randn(shape, generator=generator).to(dtype)
+    q = torch.randn(W2_BATCH, W2_HEADS, W2_HEAD_DIM, generator=generator).to(dtype)
+    return q, k_cache, v_cache, table, lens
+
+
+@pytest.mark.parametrize("isa", [isa for isa in ISAS if isa != "generic"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("variant", ["plain", "cascade"])
+def test_cascade_w2(benchmark, variant, dtype, isa) -> None:
+    q, k_cache, v_cache, table, lens = w2_step(DTYPES[dtype])
+    plan = _C.plan_decode(table, lens, k_cache.shape[0], W2_PAGE, W2_KV_HEADS, W2_HEADS, -1, variant == "cascade")
+    assert (len(plan.cascade_groups) == 1) == (variant == "cascade")
+    out = torch.empty(W2_BATCH, W2_HEADS, W2_HEAD_DIM, dtype=DTYPES[dtype])
+    scale = W2_HEAD_DIM**-0.5
+    fn = on_isa(f"cpp-{isa}", lambda: _C.decode_attention_planned(plan, q, k_cache, v_cache, scale, 0.0, None, out))
+    seconds = run_and_time(benchmark, fn, slow=False)
+    benchmark.extra_info.update(op="cascade", variant=variant, dtype=dtype, implementation=f"cpp-{isa}",
+                                threads=THREADS, keys=int(lens.sum()))
+    ROWS.append(dict(benchmark.extra_info, ms=seconds * 1e3))
+
+
+@pytest.mark.parametrize("implementation", PREFILL_IMPLEMENTATIONS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize(("batch", "context"), PREFILL_SHAPES, ids=[f"{b}x{c}" for b, c in PREFILL_SHAPES])
 def test_prefill(benchmark, batch, context, dtype, implementation) -> None:
-    q, k_cache, v_cache, table = paged_inputs(batch, context, DTYPES[dtype], batch * context)
+    heads, kv_heads, head_dim = HEAD_SHAPES["9/3x64"]
+    if implementation == "reference" and context > 1024:
+        pytest.skip("the reference runs on the smaller shapes only")
+    q, k_cache, v_cache, table = paged_inputs(batch, context, heads, kv_heads, head_dim, DTYPES[dtype],
+                                              batch * context)
     lens = torch.full((batch,), context, dtype=torch.int32)
     cu = torch.arange(0, batch * context + 1, context, dtype=torch.int32)
-    scale = HEAD_DIM**-0.5
+    scale = head_dim**-0.5
     if implementation == "reference":
         fn = lambda: ops.prefill_attention_reference(q, k_cache, v_cache, table, cu, lens, scale)  # noqa: E731
     else:
-        fn = with_isa(implementation, lambda: _C.prefill_attention(q, k_cache, v_cache, table, cu, lens, scale, -1))
-    seconds = run_and_time(benchmark, fn, slow=implementation == "reference")
-    flops = 4 * HEADS * HEAD_DIM * batch * context * (context + 1) // 2
-    benchmark.extra_info.update(op="prefill", batch=batch, context=context, dtype=dtype, implementation=implementation,
-                                threads=THREADS, flops=flops, gflop_per_s=flops / seconds / 1e9)
+        fn = on_isa(implementation, lambda: _C.prefill_attention(q, k_cache, v_cache, table, cu, lens, scale, -1))
+    seconds = run_and_time(benchmark, fn, slow=True)
+    flops = 4 * heads * head_dim * batch * context * (context + 1) // 2
+    benchmark.extra_info.update(op="prefill", heads="9/3x64", batch=batch, context=context, dtype=dtype,
+                                implementation=implementation, threads=THREADS, flops=flops,
+                                gflop_per_s=flops / seconds / 1e9)
     ROWS.append(dict(benchmark.extra_info, ms=seconds * 1e3))
 
 
@@ -145,39 +206,97 @@ def hardware() -> str:
             f"load average at the end of the run {load} (other work on the machine shows up as noise)")
 
 
+def _targets(rows: list[dict], bandwidth: float | None) -> list[str]:
+    """The issue's targets and how far each is, from this run's rows."""
+    best = f"cpp-{ISAS[-1]}"
+    lines = ["## Targets (this run)", ""]
+    decode = {(r["heads"], r["batch"], r["context"], r["dtype"], r["implementation"]): r for r in rows
+              if r["op"] == "decode"}
+    if bandwidth:
+        for (heads, batch, context, dtype, implementation), r in sorted(decode.items()):
+            if implementation == best and dtype == "fp32":
+                lines.append(f"- fp32 decode >= 90% of the read bandwidth, {heads} {batch}x{context}: "
+                             f"{r['gb_per_s']:.1f} GB/s = {100 * r['gb_per_s'] / bandwidth:.0f}% of {bandwidth:.1f} "
+                             f"({'met' if r['gb_per_s'] >= 0.9 * bandwidth else 'not met'})")
+    for (heads, batch, context, dtype, implementation), r in sorted(decode.items()):
+        if implementation == best and dtype == "bf16":
+            fp32 = decode.get((heads, batch, context, "fp32", implementation))
+            if fp32:
+                ratio = r["tokens_per_s"] / fp32["tokens_per_s"]
+                lines.append(f"- bf16 decode tokens/s >= fp32's, {heads} {batch}x{context}: {ratio:.2f}x "
+                             f"({'met' if ratio >= 1 else 'not met'})")
+    cascade = {(r["variant"], r["dtype"], r["implementation"]): r["ms"] for r in rows if r["op"] == "cascade"}
+    for dtype in DTYPES:
+        for isa in ISAS:
+            plain, casc = cascade.get(("plain", dtype, f"cpp-{isa}")), cascade.get(("cascade", dtype, f"cpp-{isa}"))
+            if plain and casc:
+                lines.append(f"- cascade <= 0.4x plain on W2's step, {dtype} cpp-{isa}: {casc / plain:.2f}x "
+                             f"({'met' if casc <= 0.4 * plain else 'not met'})")
+        pre = cascade.get(("plain", dtype, "cpp-avx2"))
+        casc = cascade.get(("cascade", dtype, best))
+        if pre and casc:
+            lines.append(f"- cascade ({best}) against the plain decode cbcore had before AVX-512 and cascade "
+                         f"(cpp-avx2), {dtype}: {casc / pre:.2f}x ({'met' if casc <= 0.4 * pre else 'not met'})")
+    return lines + [""]
+
+
 @pytest.fixture(scope="module", autouse=True)
-def _write_report():
+def _write_report(request):
     yield
     if not ROWS:
         return
+    memory = {r["op"]: r["gb_per_s"] for r in ROWS if r["op"].startswith("memory")}
+    read = memory.get("memory sum")
     lines = [
-        "# CPU attention kernels: C++ against the reference",
+        "# CPU attention kernels: C++ per instruction set, against the reference and the machine's bandwidth",
         "",
         f"- hardware: {hardware()}",
-        f"- shapes: heads {HEADS}, kv heads {KV_HEADS} (GQA {HEADS // KV_HEADS}), head_dim {HEAD_DIM}, page size "
-        f"{PAGE_SIZE}, pages shuffled; decode batch x context {', '.join(f'{b}x{c}' for b, c in DECODE_SHAPES)}; "
-        f"prefill batch x prompt {', '.join(f'{b}x{c}' for b, c in PREFILL_SHAPES)}",
-        "- counts: decode GB/s = K+V bytes read / median time; prefill GFLOP/s = 4 x heads x head_dim x causal "
-        "(query, key) pairs / median time; memory = torch sum (read) and copy (read + write) of 256 MiB",
-        f"- command: `{COMMAND}`",
+        f"- decode: heads {', '.join(HEAD_SHAPES)} (query/kv heads x head dim), page size {PAGE_SIZE}, pages "
+        f"shuffled; batch x context {', '.join(f'{b}x{c}' for b, c in DECODE_SHAPES)}",
+        f"- cascade: W2's step, {W2_BATCH} requests sharing a {W2_PREFIX}-token prefix (page size {W2_PAGE}) + "
+        f"16..64 own prompt tokens + 0..63 generated, heads {W2_HEADS}/{W2_KV_HEADS}x{W2_HEAD_DIM}; one layer's "
+        "planned decode, plan built beforehand",
+        f"- prefill: heads 9/3x64, batch x prompt {', '.join(f'{b}x{c}' for b, c in PREFILL_SHAPES)}",
+        "- counts: decode GB/s = K+V bytes read / median time, % = of this run's `sum` read bandwidth, tokens/s = "
+        "batch / median time; prefill GFLOP/s = 4 x heads x head_dim x causal (query, key) pairs / median time; "
+        "memory = torch sum (read) and copy (read + write) of 256 MiB",
+        f"- command: `{COMMAND}`" + (f" with CBCORE_BENCH_THREADS={THREADS}" if "CBCORE_BENCH_THREADS" in os.environ
+                                      else ""),
+        f"- timer: {request.config.getoption('benchmark_timer', None) or 'time.perf_counter'} (pytest-benchmark's "
+        "--benchmark-timer; time.thread_time counts the calling thread's CPU time only, so with one thread it leaves "
+        "out the time other work on the machine takes the core)",
+        "- the machine is shared with other work: absolute figures move by up to ±30% between runs; ratios are "
+        "between rows of this one run",
         "",
-        "| op | batch x context | dtype | implementation | ms | GB/s | GFLOP/s | vs reference |",
-        "|---|---|---|---|---|---|---|---|",
     ]
-    reference_ms = {(r["op"], r["batch"], r["context"], r["dtype"]): r["ms"]
-                    for r in ROWS if r.get("implementation") == "reference"}
+    lines += _targets(ROWS, read)
+    lines += ["## Decode", "", "| heads | batch x context | dtype | implementation | ms | GB/s | % of read bw | "
+              "tokens/s |", "|---|---|---|---|---|---|---|---|"]
     order = {name: i for i, name in enumerate(IMPLEMENTATIONS)}
-    rows = sorted(ROWS, key=lambda r: (r["op"].startswith("memory"), r["op"], r.get("batch", 0) * r.get("context", 0),
-                                       r.get("context", 0), r.get("dtype", ""), order.get(r.get("implementation"), 0)))
-    for r in rows:
-        if r["op"].startswith("memory"):
-            lines.append(f"| {r['op']} | 256 MiB | fp32 | torch | {r['ms']:.2f} | {r['gb_per_s']:.1f} | | |")
-            continue
-        ref = reference_ms.get((r["op"], r["batch"], r["context"], r["dtype"]))
+    for r in sorted((r for r in ROWS if r["op"] == "decode"),
+                    key=lambda r: (r["heads"], r["batch"] * r["context"], r["dtype"], order[r["implementation"]])):
+        share = f"{100 * r['gb_per_s'] / read:.0f}%" if read else ""
+        lines.append(f"| {r['heads']} | {r['batch']}x{r['context']} | {r['dtype']} | {r['implementation']} | "
+                     f"{r['ms']:.2f} | {r['gb_per_s']:.1f} | {share} | {r['tokens_per_s']:.0f} |")
+    lines += ["", "## Cascade on W2's step", "", "| dtype | implementation | plain ms | cascade ms | cascade / plain |",
+              "|---|---|---|---|---|"]
+    cascade = {(r["variant"], r["dtype"], r["implementation"]): r["ms"] for r in ROWS if r["op"] == "cascade"}
+    for dtype in DTYPES:
+        for isa in ISAS:
+            plain, casc = cascade.get(("plain", dtype, f"cpp-{isa}")), cascade.get(("cascade", dtype, f"cpp-{isa}"))
+            if plain and casc:
+                lines.append(f"| {dtype} | cpp-{isa} | {plain:.3f} | {casc:.3f} | {casc / plain:.2f}x |")
+    lines += ["", "## Prefill", "", "| batch x prompt | dtype | implementation | ms | GFLOP/s | vs reference |",
+              "|---|---|---|---|---|---|"]
+    reference_ms = {(r["batch"], r["context"], r["dtype"]): r["ms"] for r in ROWS
+                    if r["op"] == "prefill" and r["implementation"] == "reference"}
+    for r in sorted((r for r in ROWS if r["op"] == "prefill"),
+                    key=lambda r: (r["batch"] * r["context"], r["context"], r["dtype"], order[r["implementation"]])):
+        ref = reference_ms.get((r["batch"], r["context"], r["dtype"]))
         speedup = f"{ref / r['ms']:.1f}x" if ref else ""
-        gbs = f"{r['gb_per_s']:.1f}" if "gb_per_s" in r else ""
-        gflops = f"{r['gflop_per_s']:.1f}" if "gflop_per_s" in r else ""
-        lines.append(f"| {r['op']} | {r['batch']}x{r['context']} | {r['dtype']} | {r['implementation']} | "
-                     f"{r['ms']:.2f} | {gbs} | {gflops} | {speedup} |")
+        lines.append(f"| {r['batch']}x{r['context']} | {r['dtype']} | {r['implementation']} | {r['ms']:.2f} | "
+                     f"{r['gflop_per_s']:.1f} | {speedup} |")
+    lines += ["", "## Machine", "", "| op | GB/s |", "|---|---|"]
+    lines += [f"| {op} (256 MiB fp32) | {gbs:.1f} |" for op, gbs in sorted(memory.items())]
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     (RESULTS_DIR / "kernels_cpu.md").write_text("\n".join(lines) + "\n", encoding="utf-8")

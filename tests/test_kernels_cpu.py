@@ -12,6 +12,8 @@ up to 2^-8 relative; the rest is fp32 summation order).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -294,27 +296,103 @@ def test_results_do_not_depend_on_threads_or_batch() -> None:
         torch.set_num_threads(previous)
 
 
-@pytest.mark.skipif(_C is not None and _C.cpu_attention_isa() != "avx2", reason="no AVX2 copy on this CPU/build")
-def test_generic_copy_matches_reference_too() -> None:
-    """The portable copy of the kernels (what a CPU without AVX2/FMA runs) is tested on this machine as well."""
+# ---- every instruction set this machine has ---------------------------------------------------------------------
+
+ISAS = ops.cpu_isas()
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Each instruction set's copy of the kernels in turn (generic, avx2, avx512, avx512_bf16: those this CPU runs)."""
+    _C._set_cpu_attention_isa(request.param)
+    assert _C.cpu_attention_isa() == request.param
+    yield request.param
+    _C._set_cpu_attention_isa("auto")
+
+
+# 64/128/256 take the AVX-512 decode's 512-bit path (bf16: vdpbf16ps); 16 takes it without vdpbf16ps (which needs
+# multiples of 32); 8, 24 and 40 are not multiples of 16 and fall back to the 8-lane code of the same copy.
+ISA_HEAD_DIMS = [64, 128, 256, 16, 8, 24, 40]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", ISA_HEAD_DIMS)
+def test_every_isa_decode_matches_reference(isa, dtype, head_dim) -> None:
+    """Ragged lengths (1100 crosses the split-K chunk), GQA 4, a window, then soft-capping with sinks."""
+    lengths = ragged_lengths(16)
+    got, want = decode_case(lengths, 16, 8, 2, head_dim, None, dtype)
+    assert_matches_reference(got, want, dtype)
+    got, want = decode_case(lengths, 16, 8, 2, head_dim, 7, dtype, softcap=0.7, sinks=True)
+    assert_matches_reference(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 24])
+def test_every_isa_prefill_matches_reference(isa, dtype, head_dim) -> None:
+    k_lens, q_lens = prefill_lengths(8)
+    got, want = prefill_case(k_lens, q_lens, 8, 8, 2, head_dim, None, dtype)
+    assert_matches_reference(got, want, dtype)
+    got, want = prefill_case(k_lens, q_lens, 8, 8, 2, head_dim, 7, dtype, softcap=0.7, sinks=True)
+    assert_matches_reference(got, want, dtype)
+
+
+@pytest.mark.parametrize(("group", "v_head_dim"), [(1, 64), (3, 64), (8, 64), (9, 128), (4, 32)])
+def test_every_isa_decode_group_sizes_and_v_head_dims(isa, group, v_head_dim) -> None:
+    """Group sizes around the AVX-512 weighted sum's 4-row blocks, and a V head dim of its own (MLA)."""
+    got, want = decode_case(ragged_lengths(16), 16, 2 * group, 2, 64, None, torch.bfloat16, sinks=True,
+                            v_head_dim=v_head_dim)
+    assert_matches_reference(got, want, torch.bfloat16)
+
+
+def test_every_isa_cache_write(isa) -> None:
+    generator = torch.Generator().manual_seed(9)
+    k = torch.randn(7, 2, 64, generator=generator)
+    v = torch.randn(7, 2, 64, generator=generator)
+    got_k, got_v = torch.zeros(3, 4, 2, 64, dtype=torch.bfloat16), torch.zeros(3, 4, 2, 64, dtype=torch.bfloat16)
+    want_k, want_v = got_k.clone(), got_v.clone()
+    slots = torch.tensor([11, 0, 5, 4, 7, 1, 2])
+    _C.cache_write(k, v, got_k, got_v, slots)
+    ops.cache_write_reference(k, v, want_k, want_v, slots)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+def test_the_best_isa_is_the_default_and_every_isa_gives_nearly_the_same_result() -> None:
+    assert _C.cpu_attention_isa() == ISAS[-1]
+    results = {}
     try:
-        _C._set_cpu_attention_isa("generic")
-        assert _C.cpu_attention_isa() == "generic"
-        for dtype in (torch.float32, torch.bfloat16):
-            got, want = decode_case(ragged_lengths(16), 16, 16, 4, 64, None, dtype)
-            assert_matches_reference(got, want, dtype)
-            k_lens, q_lens = prefill_lengths(16)
-            got, want = prefill_case(k_lens, q_lens, 16, 16, 4, 64, 7, dtype)
-            assert_matches_reference(got, want, dtype)
-            # Soft-capping, sinks and a V head dim of its own, in the portable copy too.
-            got, want = decode_case(ragged_lengths(16), 16, 16, 4, 64, 7, dtype, softcap=0.7, sinks=True,
-                                    v_head_dim=32)
-            assert_matches_reference(got, want, dtype)
-            got, want = prefill_case(k_lens, q_lens, 16, 16, 4, 64, None, dtype, softcap=0.7, sinks=True,
-                                     v_head_dim=32)
-            assert_matches_reference(got, want, dtype)
+        for name in ISAS:
+            _C._set_cpu_attention_isa(name)
+            results[name], _ = decode_case([300, 41], 16, 8, 2, 64, None, torch.float32)
     finally:
         _C._set_cpu_attention_isa("auto")
+    for name in ISAS:
+        torch.testing.assert_close(results[name], results["generic"], atol=1e-5, rtol=1e-5)
+
+
+def test_an_isa_this_cpu_lacks_or_an_unknown_name_raises() -> None:
+    with pytest.raises(ValueError, match="unknown instruction set 'sse9'"):
+        _C._set_cpu_attention_isa("sse9")
+    assert _C.cpu_attention_isa() == ISAS[-1]
+
+
+@pytest.mark.parametrize("value", ["generic", ISAS[-1], "auto"])
+def test_cbcore_cpu_isa_forces_the_instruction_set(value) -> None:
+    """The variable is read when cbcore.ops first loads the kernels: a fresh interpreter per value."""
+    import subprocess
+    import sys
+    code = "from cbcore import ops; print(ops.available_backends()['cpu'])"
+    env = dict(os.environ, CBCORE_CPU_ISA=value)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == f"cbcore._C ({ISAS[-1] if value == 'auto' else value})"
+
+
+def test_cbcore_cpu_isa_naming_an_unavailable_set_raises_naming_the_variable() -> None:
+    import subprocess
+    import sys
+    code = "from cbcore import ops; ops.available_backends()"
+    env = dict(os.environ, CBCORE_CPU_ISA="avx1024")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert result.returncode != 0 and "CBCORE_CPU_ISA='avx1024'" in result.stderr
 
 
 @pytest.mark.parametrize(("cache_dtype", "src_dtype"), [

@@ -41,6 +41,12 @@ and reused by every other (`StepKernelPlans`, one per step in its `StepMetadata`
 and the head shape, which may differ between layers). The planned kernels write into the caller's output (`out=`);
 the other backends' results are copied into it.
 
+Instruction sets (CPU): `cbcore._C` carries the CPU kernels compiled three times, portable (`generic`), `avx2`
+(AVX2+FMA+F16C) and AVX-512 (F/BW/VL/DQ), and picks the best this CPU runs when it loads: `avx512_bf16` (the AVX-512
+copy using vdpbf16ps for bf16 dot products, where the CPU has AVX512-BF16), `avx512`, `avx2`, else `generic`.
+`CBCORE_CPU_ISA=generic|avx2|avx512|avx512_bf16` forces one (read once, when cbcore.ops first loads the kernels;
+ValueError naming the variable when this CPU or build lacks it); `auto` or unset: the best.
+
 `CBCORE_KERNELS=reference` runs the references everywhere. `cpu`, `cuda` and `triton` force one backend for the ops it
 implements (cpu: all three on CPU tensors; cuda: cache_write and decode on CUDA tensors; triton: prefill, on CUDA
 tensors or anywhere under TRITON_INTERPRET=1) and raise instead of falling back, so a test knows the kernel it meant
@@ -59,6 +65,7 @@ import torch
 
 from .reference import (  # noqa: F401 - the references are part of this module's face (tests, benchmarks)
     cache_write_reference,
+    cascade_decode_reference,
     decode_attention_reference,
     gather_pages,
     prefill_attention_reference,
@@ -66,6 +73,7 @@ from .reference import (  # noqa: F401 - the references are part of this module'
 )
 
 KERNELS_ENV = "CBCORE_KERNELS"
+CPU_ISA_ENV = "CBCORE_CPU_ISA"
 KERNEL_MODES = ("auto", "reference", "cpu", "cuda", "triton")
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (K, V) head dims cbcore._cuda's decode is compiled for (csrc/attention/cuda_decode_params.h): equal 64/128/256, and
@@ -85,12 +93,38 @@ def kernel_mode() -> str:
 
 @functools.cache
 def _cpu_kernels() -> ModuleType | None:
-    """cbcore._C when it carries the CPU attention ops (a stale build of the allocator alone does not)."""
+    """cbcore._C when it carries the CPU attention ops (a stale build of the allocator alone does not), its
+    instruction set set from CBCORE_CPU_ISA."""
     try:
         from .. import _C
     except ImportError:
         return None
-    return _C if hasattr(_C, "decode_attention") else None
+    if not hasattr(_C, "decode_attention"):
+        return None
+    _apply_cpu_isa(_C)
+    return _C
+
+
+def _apply_cpu_isa(module: ModuleType) -> None:
+    """Force the instruction set CBCORE_CPU_ISA names (unset or "auto": the best this CPU runs)."""
+    value = os.environ.get(CPU_ISA_ENV, "")
+    name = value.strip().lower() or "auto"
+    if not hasattr(module, "cpu_attention_isas"):  # a build from before the AVX-512 copy: one choice, its own
+        if name != "auto":
+            raise ValueError(f"{CPU_ISA_ENV}={value!r} needs a cbcore._C built with instruction-set selection; "
+                             "reinstall cbcore")
+        return
+    available = module.cpu_attention_isas()
+    if name != "auto" and name not in available:
+        raise ValueError(f"{CPU_ISA_ENV}={value!r}: this CPU and build run the CPU attention kernels with "
+                         f"{', '.join(available)} (or auto, the best of them); unset it for auto")
+    module._set_cpu_attention_isa(name)
+
+
+def cpu_isas() -> list[str]:
+    """The instruction sets the C++ CPU kernels can run with here, portable first (empty without cbcore._C)."""
+    cpu = _cpu_kernels()
+    return list(cpu.cpu_attention_isas()) if cpu is not None else []
 
 
 @functools.cache

@@ -122,3 +122,81 @@ def prefill_attention_reference(
                                  sinks)
         out[q_start:q_end] = attn[0].permute(2, 0, 1, 3).reshape(q_len, num_heads, v_head_dim).to(q.dtype)
     return out
+
+
+def _partial_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention over one key range, as (normalised output, log-sum-exp of the scores) so ranges can be merged.
+
+    query `[M, kv_heads, group, D]`, keys/values `[M, Lk, kv_heads, D]`, visible `[M, Lk]`. A row that sees no key gets
+    output 0 and log-sum-exp -inf (it weighs nothing in the merge)."""
+    dtype = torch.promote_types(query.dtype, torch.float32)
+    scores = torch.einsum("mkgd,mskd->mkgs", query.to(dtype), keys.to(dtype)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.nan_to_num(neginf=0.0)[..., None])
+    return torch.einsum("mkgs,mskd->mkgd", probs, values.to(dtype)), lse
+
+
+def cascade_decode_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    groups: list[tuple[list[int], int]],
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention computed the cascade way, equal to `decode_attention_reference` (the tests hold the two
+    together): each group `(members, prefix)` attends to its shared keys `[0, prefix)` once, gathered through its first
+    member's block table (the members' tables hold the same blocks there), as one matrix over all the members' queries;
+    every request then attends to its own keys (after the prefix, inside its window); the parts are merged by their
+    log-sum-exp, the sink logit joining the denominator once. A member's window must start at key 0 (the plan groups
+    no other)."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, v_head_dim = k_cache.shape[2], v_cache.shape[3]
+    group = num_heads // num_kv_heads
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    lens = [int(n) for n in seq_lens]
+    prefix = [0] * batch
+    parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(batch)]
+    for members, shared in groups:
+        for b in members:
+            assert sliding_window is None or lens[b] <= sliding_window, "a member's window cuts into the prefix"
+            prefix[b] = shared
+        keys = gather_pages(k_cache, block_table[members[0]], shared)
+        values = gather_pages(v_cache, block_table[members[0]], shared)
+        query = q[members].reshape(len(members), num_kv_heads, group, head_dim)
+        visible = torch.ones(len(members), shared, dtype=torch.bool, device=q.device)
+        out, lse = _partial_attention(query, keys.expand(len(members), *keys.shape),
+                                      values.expand(len(members), *values.shape), visible, scale, softcap)
+        for i, b in enumerate(members):
+            parts[b].append((out[i], lse[i]))
+    result = q.new_empty(batch, num_heads, v_head_dim)
+    for b in range(batch):
+        n = lens[b]
+        begin = max(prefix[b], 0 if sliding_window is None else max(0, n - sliding_window))
+        keys = gather_pages(k_cache, block_table[b], n)[begin:]
+        values = gather_pages(v_cache, block_table[b], n)[begin:]
+        query = q[b].reshape(1, num_kv_heads, group, head_dim)
+        visible = torch.ones(1, n - begin, dtype=torch.bool, device=q.device)
+        out, lse = _partial_attention(query, keys[None], values[None], visible, scale, softcap)
+        parts[b].append((out[0], lse[0]))
+        lses = torch.stack([lse for _, lse in parts[b]])  # [parts, kv_heads, group]
+        if sinks is not None:
+            lses = torch.cat([lses, sinks.to(dtype).view(1, num_kv_heads, group)])
+        total = torch.logsumexp(lses, dim=0)
+        merged = sum(torch.exp(lse - total)[..., None] * out for out, lse in parts[b])
+        result[b] = merged.reshape(num_heads, v_head_dim).to(q.dtype)
+    return result

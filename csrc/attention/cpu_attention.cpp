@@ -9,6 +9,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
+#include <c10/util/StringUtil.h>
 
 #include <algorithm>
 #include <array>
@@ -27,11 +28,16 @@
 #error "cbcore's CPU attention kernels use GCC/Clang vector extensions; build with GCC or Clang"
 #endif
 
-// The AVX2 copy needs GCC's `#pragma GCC target` on x86-64 (Clang builds get the generic copy only).
+// The AVX2 and AVX-512 copies need GCC's `#pragma GCC target` on x86-64 (Clang builds get the generic copy only).
 #if defined(__x86_64__) && !defined(__clang__)
 #define CBCORE_HAVE_AVX2_COPY 1
+#define CBCORE_HAVE_AVX512_COPY 1
+// The intrinsics' declarations only: each carries its own target attribute, so including them compiles no AVX
+// instruction into the generic copy.
+#include <immintrin.h>
 #else
 #define CBCORE_HAVE_AVX2_COPY 0
+#define CBCORE_HAVE_AVX512_COPY 0
 #endif
 
 #if defined(__clang__) || __GNUC__ >= 12
@@ -72,6 +78,7 @@ struct DecodeParams {
   int64_t out_stride_b;
   float* partials;   // per split chunk: num_rows x (max, sum, v_head_dim accumulators)
   int64_t num_rows;  // query heads
+  bool dpbf16;       // the AVX-512 copy may use vdpbf16ps (the CPU has AVX512-BF16 and the ISA allows it)
 };
 
 struct DecodeItem {
@@ -79,6 +86,23 @@ struct DecodeItem {
   int64_t begin, end;                     // key positions
   int64_t partial;  // -1: write the output directly; else the chunk's slot in DecodeParams::partials
   bool first;       // the request's first chunk: the one that adds the sink (exactly once per request)
+};
+
+// Cascade decode: requests whose block tables start with the same physical blocks (prefix sharing) attend to that
+// common prefix together, as one matrix of queries (members x query heads) against keys read once, and each to its
+// own suffix alone (ordinary DecodeItems); the partial softmax states are merged like split-K chunks.
+struct CascadeGroup {
+  std::vector<int64_t> members;    // requests, in batch order
+  std::vector<int64_t> slot_base;  // per member: its first partial slot (the prefix chunks' slots come first)
+  int64_t table_request;           // a member whose block table row is read for the prefix (all hold the same)
+  int64_t prefix;                  // shared key positions [0, prefix)
+};
+
+struct CascadeItem {
+  int64_t group, kv_head;
+  int64_t row_begin, row_end;  // rows member * group + g of the group's members, for this kv head
+  int64_t begin, end;          // key positions inside the prefix (one split-K chunk of it)
+  int64_t chunk;               // which chunk: its slot is slot_base[member] + chunk; chunk 0 adds the sinks
 };
 
 struct PrefillParams {
@@ -136,9 +160,28 @@ namespace avx2 {
 #pragma GCC pop_options
 #endif
 
+// The AVX-512 copy: the same kernels compiled for AVX-512F/BW/VL/DQ (32 vector registers, masked and 3-operand
+// forms; the 8-lane code stays 8 lanes), plus the 512-bit decode of cpu_attention_avx512.inc, whose bf16 dot
+// products use AVX512-BF16 in one function compiled for it and called only where the CPU has it.
+#if CBCORE_HAVE_AVX512_COPY
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+// GCC 12 warns inside its own AVX-512 headers (the "undefined" pass-through source of unmasked intrinsics).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+namespace avx512 {
+#define CB_WIDE_DECODE 1
+#include "attention/cpu_attention_kernels.inc"
+#undef CB_WIDE_DECODE
+}  // namespace avx512
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+#endif
+
 // ---- instruction set -----------------------------------------------------------------------------------
 
-enum class Isa { kGeneric, kAvx2 };
+// kAvx512 and kAvx512Bf16 run the same copy; kAvx512Bf16 also lets it use vdpbf16ps.
+enum class Isa { kGeneric, kAvx2, kAvx512, kAvx512Bf16 };
 
 bool cpu_has_avx2() {
 #if CBCORE_HAVE_AVX2_COPY
@@ -149,10 +192,54 @@ bool cpu_has_avx2() {
 #endif
 }
 
+bool cpu_has_avx512() {
+#if CBCORE_HAVE_AVX512_COPY
+  __builtin_cpu_init();
+  return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_avx512_bf16() {
+#if CBCORE_HAVE_AVX512_COPY
+  __builtin_cpu_init();
+  return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+Isa best_isa() {
+  if (cpu_has_avx512_bf16()) return Isa::kAvx512Bf16;
+  if (cpu_has_avx512()) return Isa::kAvx512;
+  return cpu_has_avx2() ? Isa::kAvx2 : Isa::kGeneric;
+}
+
 std::atomic<Isa>& active_isa() {
-  static std::atomic<Isa> isa{cpu_has_avx2() ? Isa::kAvx2 : Isa::kGeneric};
+  static std::atomic<Isa> isa{best_isa()};
   return isa;
 }
+
+// Runs NAME<T>(args...) of the active instruction set's copy.
+#if CBCORE_HAVE_AVX512_COPY
+#define CB_RUN_ISA(isa, NAME, ...)                                 \
+  do {                                                             \
+    switch (isa) {                                                 \
+      case Isa::kAvx512Bf16:                                       \
+      case Isa::kAvx512: avx512::NAME(__VA_ARGS__); break;         \
+      case Isa::kAvx2: avx2::NAME(__VA_ARGS__); break;             \
+      default: generic::NAME(__VA_ARGS__); break;                  \
+    }                                                              \
+  } while (0)
+#else
+#define CB_RUN_ISA(isa, NAME, ...)        \
+  do {                                    \
+    (void)(isa);                          \
+    generic::NAME(__VA_ARGS__);           \
+  } while (0)
+#endif
 
 // ---- argument checks -----------------------------------------------------------------------------------
 
@@ -235,6 +322,8 @@ void check_table_row(const int32_t* row, int64_t max_blocks, int64_t num_blocks,
 // sum(l_i e^(m_i - M)). merges holds (request, first partial slot, number of chunks).
 template <typename T>
 void merge_partials(const DecodeParams& P, const std::vector<std::array<int64_t, 3>>& merges) {
+  // A cascade member whose suffix is empty and whose prefix is one chunk has one partial: the loop below is still
+  // right (weight e^0 = 1).
   const int64_t R = P.num_rows, D = P.v_head_dim;
   at::parallel_for(0, static_cast<int64_t>(merges.size()), 4, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(static_cast<size_t>(D));
@@ -353,6 +442,8 @@ struct DecodePlanData {
   int64_t num_blocks, page_size, kv_heads, heads;
   std::vector<DecodeItem> items;  // longest first
   std::vector<std::array<int64_t, 3>> merges;  // (request, first partial slot, count) of split requests
+  std::vector<CascadeGroup> groups;            // cascade groups (empty: plain decode)
+  std::vector<CascadeItem> cascade_items;      // their shared-prefix work, most expensive first
   int64_t num_partials = 0, total_cost = 0;
 };
 
@@ -394,8 +485,69 @@ void check_layer(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 
 }  // namespace
 
+namespace {
+
+// When a cascade group pays: at least kCascadeMinRows query rows per kv head (members x query heads per kv head;
+// fewer leave the shared-prefix matrix product mostly padding) sharing at least kCascadeMinPrefix leading keys.
+constexpr int64_t kCascadeMinRows = 8;
+constexpr int64_t kCascadeMinPrefix = 32;
+
+// The requests of a step that share leading physical blocks, grouped (DecodePlanData::groups). A request whose
+// sliding window starts after key 0 is left out (its window would cut into the shared prefix); so is every request
+// that shares too little. Requests are sorted by their block rows, so sharers are adjacent, then swept in that order:
+// a group grows while adding the next request does not lower the reads it saves, (members - 1) x prefix.
+std::vector<CascadeGroup> find_cascade_groups(const int32_t* rows, int64_t stride, const int32_t* len, int64_t batch,
+                                              int64_t page_size, int64_t window, int64_t group) {
+  auto blocks = [&](int64_t b) { return (len[b] + page_size - 1) / page_size; };
+  std::vector<int64_t> order;
+  for (int64_t b = 0; b < batch; ++b)
+    if (window <= 0 || len[b] <= window) order.push_back(b);
+  auto lcp = [&](int64_t a, int64_t b) {  // leading blocks two requests share
+    const int64_t n = std::min(blocks(a), blocks(b));
+    int64_t i = 0;
+    while (i < n && rows[a * stride + i] == rows[b * stride + i]) ++i;
+    return i;
+  };
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    const int64_t i = lcp(a, b);
+    if (i < std::min(blocks(a), blocks(b))) return rows[a * stride + i] < rows[b * stride + i];
+    return blocks(a) != blocks(b) ? blocks(a) < blocks(b) : a < b;
+  });
+  std::vector<CascadeGroup> groups;
+  for (size_t i = 0; i < order.size();) {
+    int64_t shared = blocks(order[i]), min_len = len[order[i]], prefix = min_len;
+    size_t j = i + 1;
+    for (; j < order.size(); ++j) {
+      const int64_t s = std::min(shared, lcp(order[j - 1], order[j]));
+      if (s == 0) break;
+      const int64_t next_len = std::min<int64_t>(min_len, len[order[j]]);
+      const int64_t next_prefix = std::min(s * page_size, next_len);
+      const int64_t members = static_cast<int64_t>(j - i);
+      if (members >= 2 && members * next_prefix < (members - 1) * prefix) break;
+      shared = s;
+      min_len = next_len;
+      prefix = next_prefix;
+    }
+    const int64_t members = static_cast<int64_t>(j - i);
+    if (members >= 2 && members * group >= kCascadeMinRows && prefix >= kCascadeMinPrefix) {
+      CascadeGroup g;
+      g.members.assign(order.begin() + i, order.begin() + j);
+      std::sort(g.members.begin(), g.members.end());
+      g.table_request = g.members[0];
+      g.prefix = prefix;
+      groups.push_back(std::move(g));
+    }
+    i = j;
+  }
+  std::sort(groups.begin(), groups.end(),
+            [](const CascadeGroup& a, const CascadeGroup& b) { return a.members[0] < b.members[0]; });
+  return groups;
+}
+
+}  // namespace
+
 DecodePlan plan_decode(const at::Tensor& block_table, const at::Tensor& seq_lens, int64_t num_blocks,
-                       int64_t page_size, int64_t kv_heads, int64_t heads, int64_t sliding_window) {
+                       int64_t page_size, int64_t kv_heads, int64_t heads, int64_t sliding_window, bool cascade) {
   check_plan_shape(num_blocks, page_size, kv_heads, heads);
   auto plan = std::make_shared<DecodePlanData>();
   plan->table = as_int32(block_table, "block_table", 2);
@@ -410,16 +562,24 @@ DecodePlan plan_decode(const at::Tensor& block_table, const at::Tensor& seq_lens
                     plan->table.size(0), " rows");
   const int32_t* len = plan->lens.const_data_ptr<int32_t>();
   const int32_t* rows = plan->table.const_data_ptr<int32_t>();
+  const int64_t stride = plan->table.size(1), group = heads / kv_heads;
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK_VALUE(len[b] >= 1, "cbcore decode_attention: request ", b, " has seq_len ", len[b],
+                      "; it must be >= 1");
+    check_table_row(rows + b * stride, stride, num_blocks, page_size, len[b], b);
+  }
+  if (cascade) plan->groups = find_cascade_groups(rows, stride, len, batch, page_size, window, group);
+  std::vector<int64_t> prefix(batch, 0);  // keys a cascade group attends for the request
+  for (const CascadeGroup& g : plan->groups)
+    for (int64_t b : g.members) prefix[b] = g.prefix;
 
-  // Key range and chunks of each request.
+  // Each request's own key range (after its window's start and its cascade prefix) and its chunks.
   std::vector<int64_t> begins(batch);
   int64_t num_chunks = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t n = len[b];
-    TORCH_CHECK_VALUE(n >= 1, "cbcore decode_attention: request ", b, " has seq_len ", n, "; it must be >= 1");
-    check_table_row(rows + b * plan->table.size(1), plan->table.size(1), num_blocks, page_size, n, b);
-    begins[b] = window > 0 ? std::max<int64_t>(0, n - window) : 0;
-    num_chunks += (n - 1) / kDecodeChunk - begins[b] / kDecodeChunk + 1;
+    begins[b] = std::max<int64_t>(window > 0 ? std::max<int64_t>(0, n - window) : 0, prefix[b]);
+    if (begins[b] < n) num_chunks += (n - 1) / kDecodeChunk - begins[b] / kDecodeChunk + 1;
     plan->total_cost += (n - begins[b]) * heads;
   }
   // An item takes every kv head of its chunk (pages are then read front to back) unless that leaves too few items
@@ -428,21 +588,63 @@ DecodePlan plan_decode(const at::Tensor& block_table, const at::Tensor& seq_lens
   while (head_split < kv_heads && num_chunks * head_split < 4 * at::get_num_threads()) head_split *= 2;
   const int64_t heads_per_item = (kv_heads + head_split - 1) / head_split;
 
+  std::vector<int64_t> slot_base(batch, -1);
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t n = len[b], begin = begins[b];
+    const int64_t prefix_chunks = (prefix[b] + kDecodeChunk - 1) / kDecodeChunk;
     const int64_t first_chunk = begin / kDecodeChunk, last_chunk = (n - 1) / kDecodeChunk;
-    if (first_chunk != last_chunk) plan->merges.push_back({b, plan->num_partials, last_chunk - first_chunk + 1});
-    for (int64_t c = first_chunk; c <= last_chunk; ++c) {
-      const int64_t partial = first_chunk == last_chunk ? -1 : plan->num_partials++;
+    const int64_t own_chunks = begin < n ? last_chunk - first_chunk + 1 : 0;
+    const bool merged = prefix_chunks + own_chunks > 1 || prefix[b] > 0;
+    if (merged) {
+      slot_base[b] = plan->num_partials;
+      plan->merges.push_back({b, plan->num_partials, prefix_chunks + own_chunks});
+      plan->num_partials += prefix_chunks;  // the cascade prefix's slots, then the request's own chunks'
+    }
+    for (int64_t c = first_chunk; own_chunks > 0 && c <= last_chunk; ++c) {
+      const int64_t partial = merged ? plan->num_partials++ : -1;
+      // The sink is added once per request: by its cascade prefix when it has one, else by its first chunk.
       for (int64_t h = 0; h < kv_heads; h += heads_per_item)
         plan->items.push_back({b, h, std::min(kv_heads, h + heads_per_item), std::max(begin, c * kDecodeChunk),
-                               std::min(n, (c + 1) * kDecodeChunk), partial, c == first_chunk});
+                               std::min(n, (c + 1) * kDecodeChunk), partial, c == first_chunk && prefix[b] == 0});
     }
   }
   std::stable_sort(plan->items.begin(), plan->items.end(), [](const DecodeItem& a, const DecodeItem& b) {
     return (a.end - a.begin) * (a.head_end - a.head_begin) > (b.end - b.begin) * (b.head_end - b.head_begin);
   });
+
+  // The shared prefixes: (group, kv head, tile of rows, chunk of keys). Tiles of up to 128 rows (as prefill),
+  // smaller when that leaves fewer than two items per thread.
+  int64_t prefix_units = 0;
+  for (const CascadeGroup& g : plan->groups) prefix_units += kv_heads * ((g.prefix + kDecodeChunk - 1) / kDecodeChunk);
+  const int64_t wanted = 2 * at::get_num_threads();
+  for (size_t gi = 0; gi < plan->groups.size(); ++gi) {
+    CascadeGroup& g = plan->groups[gi];
+    for (int64_t b : g.members) g.slot_base.push_back(slot_base[b]);
+    const int64_t total_rows = static_cast<int64_t>(g.members.size()) * group;
+    int64_t tile = std::min<int64_t>(128, total_rows);
+    if (prefix_units < wanted) {
+      const int64_t pieces = (wanted + prefix_units - 1) / prefix_units;
+      tile = std::max<int64_t>(std::min<int64_t>(16, total_rows), (total_rows + pieces - 1) / pieces);
+    }
+    tile = (tile + 3) / 4 * 4;  // whole micro-tiles of 4 rows
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t r = 0; r < total_rows; r += tile)
+        for (int64_t c = 0; c * kDecodeChunk < g.prefix; ++c)
+          plan->cascade_items.push_back({static_cast<int64_t>(gi), h, r, std::min(total_rows, r + tile),
+                                         c * kDecodeChunk, std::min(g.prefix, (c + 1) * kDecodeChunk), c});
+    plan->total_cost += g.prefix * total_rows * kv_heads;
+  }
+  std::stable_sort(plan->cascade_items.begin(), plan->cascade_items.end(),
+                   [](const CascadeItem& a, const CascadeItem& b) {
+                     return (a.end - a.begin) * (a.row_end - a.row_begin) > (b.end - b.begin) * (b.row_end - b.row_begin);
+                   });
   return DecodePlan(std::move(plan));
+}
+
+std::vector<std::pair<std::vector<int64_t>, int64_t>> DecodePlan::cascade_groups() const {
+  std::vector<std::pair<std::vector<int64_t>, int64_t>> out;
+  for (const CascadeGroup& g : data->groups) out.emplace_back(g.members, g.prefix);
+  return out;
 }
 
 void decode_attention_planned(const DecodePlan& decode_plan, const at::Tensor& q, const at::Tensor& k_cache,
@@ -463,27 +665,20 @@ void decode_attention_planned(const DecodePlan& decode_plan, const at::Tensor& q
                  plan.table.const_data_ptr<int32_t>(), plan.table.size(1),
                  static_cast<float>(scale), cap, sink,
                  out.data_ptr(), out.stride(0),
-                 partials.data(), heads};
-  const bool use_avx2 = active_isa().load() == Isa::kAvx2;
+                 partials.data(), heads, false};
+  const Isa isa = active_isa().load();
+  P.dpbf16 = isa == Isa::kAvx512Bf16;
   dispatch_dtype(q.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-#if CBCORE_HAVE_AVX2_COPY
-    if (use_avx2) {
-      avx2::decode_run<T>(P, plan.items, plan.total_cost);
-    } else {
-      generic::decode_run<T>(P, plan.items, plan.total_cost);
-    }
-#else
-    (void)use_avx2;
-    generic::decode_run<T>(P, plan.items, plan.total_cost);
-#endif
+    CB_RUN_ISA(isa, decode_run<T>, P, plan.items, plan.groups, plan.cascade_items, plan.total_cost);
     merge_partials<T>(P, plan.merges);
   });
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
-                            int64_t sliding_window, double softcap, const std::optional<at::Tensor>& sinks) {
+                            int64_t sliding_window, double softcap, const std::optional<at::Tensor>& sinks,
+                            bool cascade) {
   check_caches(k_cache, v_cache);
   check_query(q, k_cache);
   TORCH_CHECK_VALUE(block_table.dim() >= 1 && seq_lens.dim() >= 1 && block_table.size(0) == q.size(0) &&
@@ -492,7 +687,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                     block_table.dim() ? block_table.size(0) : 0, " rows and seq_lens ",
                     seq_lens.dim() ? seq_lens.size(0) : 0, " entries");
   const DecodePlan plan = plan_decode(block_table, seq_lens, k_cache.size(0), k_cache.size(1), k_cache.size(2),
-                                      q.size(1), sliding_window);
+                                      q.size(1), sliding_window, cascade);
   at::Tensor out = at::empty({q.size(0), q.size(1), v_cache.size(3)}, q.options());
   decode_attention_planned(plan, q, k_cache, v_cache, scale, softcap, sinks, out);
   return out;
@@ -568,19 +763,10 @@ void prefill_attention_planned(const PrefillPlan& prefill_plan, const at::Tensor
                   plan.cu.const_data_ptr<int32_t>(), plan.lens.const_data_ptr<int32_t>(),
                   static_cast<float>(scale), plan.window, cap, sink,
                   out.data_ptr(), out.stride(0)};
-  const bool use_avx2 = active_isa().load() == Isa::kAvx2;
+  const Isa isa = active_isa().load();
   dispatch_dtype(q.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-#if CBCORE_HAVE_AVX2_COPY
-    if (use_avx2) {
-      avx2::prefill_run<T>(P, plan.items, plan.total_cost);
-    } else {
-      generic::prefill_run<T>(P, plan.items, plan.total_cost);
-    }
-#else
-    (void)use_avx2;
-    generic::prefill_run<T>(P, plan.items, plan.total_cost);
-#endif
+    CB_RUN_ISA(isa, prefill_run<T>, P, plan.items, plan.total_cost);
   });
 }
 
@@ -599,19 +785,44 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   return out;
 }
 
-std::string isa() { return active_isa().load() == Isa::kAvx2 ? "avx2" : "generic"; }
+namespace {
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512Bf16: return "avx512_bf16";
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    default: return "generic";
+  }
+}
+
+}  // namespace
+
+std::string isa() { return isa_name(active_isa().load()); }
+
+std::vector<std::string> available_isas() {
+  std::vector<std::string> names{"generic"};
+  if (cpu_has_avx2()) names.push_back("avx2");
+  if (cpu_has_avx512()) names.push_back("avx512");
+  if (cpu_has_avx512_bf16()) names.push_back("avx512_bf16");
+  return names;
+}
 
 void set_isa(const std::string& name) {
   if (name == "auto") {
-    active_isa().store(cpu_has_avx2() ? Isa::kAvx2 : Isa::kGeneric);
-  } else if (name == "generic") {
-    active_isa().store(Isa::kGeneric);
-  } else if (name == "avx2") {
-    TORCH_CHECK_VALUE(cpu_has_avx2(), "cbcore: this CPU or build has no AVX2+FMA+F16C kernels");
-    active_isa().store(Isa::kAvx2);
-  } else {
-    TORCH_CHECK_VALUE(false, "cbcore: unknown instruction set '", name, "' (auto, generic, avx2)");
+    active_isa().store(best_isa());
+    return;
   }
+  for (const Isa isa : {Isa::kGeneric, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
+    if (name != isa_name(isa)) continue;
+    const auto names = available_isas();
+    TORCH_CHECK_VALUE(std::find(names.begin(), names.end(), name) != names.end(), "cbcore: this CPU or build has no ",
+                      name, " kernels (available: ", c10::Join(", ", names), ")");
+    active_isa().store(isa);
+    return;
+  }
+  TORCH_CHECK_VALUE(false, "cbcore: unknown instruction set '", name,
+                    "' (auto, generic, avx2, avx512, avx512_bf16)");
 }
 
 }  // namespace cpu

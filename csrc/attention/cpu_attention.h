@@ -30,18 +30,26 @@
 //            batch. Keys are walked in tiles of 32: the tile's K and V rows (all the item's heads,
 //            adjacent in a page) are converted into a small fp32 stage in page order while the next
 //            tile is prefetched, then every query head of each kv head (GQA: the group together)
-//            attends to it with an online softmax.
+//            attends to it with an online softmax. (The AVX-512 copy reads K/V in place instead of
+//            staging: cpu_attention_avx512.inc.)
+//   cascade  requests whose block tables start with the same physical blocks (prefix sharing) are
+//            grouped by the plan; each group's shared prefix is one more kind of item, (group, kv head,
+//            tile of rows = members x query heads, chunk of prefix keys), computed like prefill with
+//            every key visible and merged with each member's own chunks (its keys after the prefix) as
+//            split-K chunks are. See plan_decode for when a group is formed.
 //   prefill  one item per (request, kv head, tile of ~128 query rows = positions x query heads of that
 //            kv head); keys are walked in tiles of 64 with an online softmax, each tile of K/V
 //            converted once into an fp32 panel shared by all the tile's query rows.
 //   Items are handed out longest first from an atomic counter inside one at::parallel_for region.
 //
 // Instruction sets: the kernels are written with GCC/Clang vector extensions (8 x fp32) and compiled
-// twice in cpu_attention.cpp: once for the build's baseline (x86-64: SSE2; elsewhere: whatever the
-// compiler targets by default) and, with GCC on x86-64, once more under `#pragma GCC target("avx2,
-// fma,f16c")`. The AVX2 copy is chosen at run time when the CPU has those features. No -march flag is
-// used: the extension is compiled where it is installed, but wheels built from it get copied and
-// cached, and a -march=native binary dies with SIGILL on an older CPU.
+// three times in cpu_attention.cpp: once for the build's baseline (x86-64: SSE2; elsewhere: whatever
+// the compiler targets by default) and, with GCC on x86-64, under `#pragma GCC target("avx2,fma,f16c")`
+// and under AVX-512F/BW/VL/DQ. The AVX-512 copy adds a 512-bit decode (cpu_attention_avx512.inc) whose
+// bf16 dot products use vdpbf16ps in one function compiled for AVX512-BF16 and called only where the
+// CPU has it. The best copy the CPU runs is chosen at run time (__builtin_cpu_supports); set_isa forces
+// one. No -march flag is used: the extension is compiled where it is installed, but wheels built from
+// it get copied and cached, and a -march=native binary dies with SIGILL on an older CPU.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -49,6 +57,8 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace cbcore {
 namespace cpu {
@@ -61,7 +71,8 @@ void cache_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_c
 // One query token per request against that request's pages. Returns [batch, heads, v_head_dim] in q's dtype.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
-                            int64_t sliding_window, double softcap, const std::optional<at::Tensor>& sinks);
+                            int64_t sliding_window, double softcap, const std::optional<at::Tensor>& sinks,
+                            bool cascade = true);
 
 // Packed bottom-right aligned causal attention over the pages. Returns [num_tokens, heads, v_head_dim].
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -69,7 +80,6 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
                              const at::Tensor& seq_lens_k, double scale, int64_t sliding_window, double softcap,
                              const std::optional<at::Tensor>& sinks);
 
-// The instruction set the kernels run with: "avx2" or "generic".
 // ---- plan once per step, run per layer ----------------------------------------------------------------
 // A step's block tables and lengths are the same for every layer: the work split (items, split-K merges) and the
 // validation of every block-table entry are done once, by a plan, and every layer's call reuses it. A plan is
@@ -87,6 +97,8 @@ class CBCORE_HIDDEN DecodePlan {
  public:
   explicit DecodePlan(std::shared_ptr<const DecodePlanData> data) : data(std::move(data)) {}
   int64_t batch() const;
+  // The cascade groups: (member requests, shared prefix length) each.
+  std::vector<std::pair<std::vector<int64_t>, int64_t>> cascade_groups() const;
   std::shared_ptr<const DecodePlanData> data;
 };
 
@@ -99,8 +111,12 @@ class CBCORE_HIDDEN PrefillPlan {
 
 // Validates block_table / seq_lens against a cache of num_blocks x page_size and splits the work for kv_heads x
 // heads attention with this window (-1: none). ValueError naming the request and the entry on bad input.
+// With cascade, requests sharing leading blocks are grouped (cpu_attention.cpp, find_cascade_groups): a group needs
+// >= 8 query rows per kv head (members x heads / kv_heads) and >= 32 shared keys, and takes no request whose window
+// starts after key 0.
 DecodePlan plan_decode(const at::Tensor& block_table, const at::Tensor& seq_lens, int64_t num_blocks,
-                       int64_t page_size, int64_t kv_heads, int64_t heads, int64_t sliding_window);
+                       int64_t page_size, int64_t kv_heads, int64_t heads, int64_t sliding_window,
+                       bool cascade = true);
 
 void decode_attention_planned(const DecodePlan& plan, const at::Tensor& q, const at::Tensor& k_cache,
                               const at::Tensor& v_cache, double scale, double softcap,
@@ -114,9 +130,14 @@ void prefill_attention_planned(const PrefillPlan& plan, const at::Tensor& q, con
                                const at::Tensor& v_cache, double scale, double softcap,
                                const std::optional<at::Tensor>& sinks, const at::Tensor& out);
 
+// The instruction set the kernels run with: "avx512_bf16" (AVX-512 with vdpbf16ps for bf16), "avx512", "avx2" or
+// "generic".
 std::string isa();
 
-// Tests: force "generic" or "avx2" (ValueError if this CPU or build lacks it), or "auto".
+// The instruction sets this CPU and build can run, portable first.
+std::vector<std::string> available_isas();
+
+// Force one of available_isas() (ValueError naming the available ones otherwise), or "auto": the best one.
 void set_isa(const std::string& name);
 
 }  // namespace cpu

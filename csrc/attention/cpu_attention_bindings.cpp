@@ -2,6 +2,7 @@
 // pybind11 type casters (torch/csrc/utils/pybind.h: the part of <torch/extension.h> needed here, at a
 // fifth of its compile time). The GIL is released while a kernel runs, so the manager's other threads keep
 // going. Argument errors are c10::ValueError and reach Python as ValueError.
+#include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "attention/cpu_attention.h"
@@ -19,11 +20,12 @@ void register_cpu_attention_bindings(py::module_& m) {
         "dtype). Same result as cbcore.ops.cache_write_reference.");
   m.def("decode_attention", &cpu::decode_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("block_table"), py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window"),
-        py::arg("softcap") = 0.0, py::arg("sinks") = py::none(), py::call_guard<py::gil_scoped_release>(),
+        py::arg("softcap") = 0.0, py::arg("sinks") = py::none(), py::arg("cascade") = true,
+        py::call_guard<py::gil_scoped_release>(),
         "Paged decode attention on the CPU: q [batch, heads, head_dim] against each request's seq_lens[b] keys, "
         "read in place through block_table. sliding_window: -1 for none; softcap: 0 for none; sinks: None or "
-        "[heads] float32 sink logits. Returns [batch, heads, v_head_dim]. Same semantics as "
-        "cbcore.ops.decode_attention_reference.");
+        "[heads] float32 sink logits; cascade: attend to block-table prefixes several requests share once (see "
+        "plan_decode). Returns [batch, heads, v_head_dim]. Same semantics as cbcore.ops.decode_attention_reference.");
   m.def("prefill_attention", &cpu::prefill_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("block_table"), py::arg("cu_seqlens_q"), py::arg("seq_lens_k"), py::arg("scale"),
         py::arg("sliding_window"), py::arg("softcap") = 0.0, py::arg("sinks") = py::none(),
@@ -34,16 +36,20 @@ void register_cpu_attention_bindings(py::module_& m) {
   py::class_<cpu::DecodePlan>(m, "DecodePlan",
                               "A step's decode work split, its block table validated: built once per step (and "
                               "per window and head shape), reused by every layer (decode_attention_planned).")
-      .def_property_readonly("batch", &cpu::DecodePlan::batch);
+      .def_property_readonly("batch", &cpu::DecodePlan::batch)
+      .def_property_readonly("cascade_groups", &cpu::DecodePlan::cascade_groups,
+                             "The cascade groups: (member requests, shared prefix length in keys) each.");
   py::class_<cpu::PrefillPlan>(m, "PrefillPlan",
                                "A step's prefill work split, its block table validated: built once per step (and "
                                "per window and head shape), reused by every layer (prefill_attention_planned).")
       .def_property_readonly("num_tokens", &cpu::PrefillPlan::num_tokens);
   m.def("plan_decode", &cpu::plan_decode, py::arg("block_table"), py::arg("seq_lens"), py::arg("num_blocks"),
         py::arg("page_size"), py::arg("kv_heads"), py::arg("heads"), py::arg("sliding_window"),
-        py::call_guard<py::gil_scoped_release>(),
+        py::arg("cascade") = true, py::call_guard<py::gil_scoped_release>(),
         "Validates a decode step's block_table / seq_lens against num_blocks x page_size and splits its work for "
-        "kv_heads x heads attention with this sliding window (-1: none). Returns a DecodePlan.");
+        "kv_heads x heads attention with this sliding window (-1: none). With cascade, requests whose block tables "
+        "start with the same blocks attend to that shared prefix together (read once), when it pays (enough "
+        "query rows and shared keys; never across a sliding window that starts after key 0). Returns a DecodePlan.");
   m.def("decode_attention_planned", &cpu::decode_attention_planned, py::arg("plan"), py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("scale"), py::arg("softcap"), py::arg("sinks"), py::arg("out"),
         py::call_guard<py::gil_scoped_release>(),
@@ -57,9 +63,13 @@ void register_cpu_attention_bindings(py::module_& m) {
         py::arg("k_cache"), py::arg("v_cache"), py::arg("scale"), py::arg("softcap"), py::arg("sinks"), py::arg("out"),
         py::call_guard<py::gil_scoped_release>(),
         "prefill_attention over a plan, writing into out [num_tokens, heads, v_head_dim] (contiguous, q's dtype).");
-  m.def("cpu_attention_isa", &cpu::isa, "The instruction set the CPU attention kernels use: 'avx2' or 'generic'.");
+  m.def("cpu_attention_isa", &cpu::isa,
+        "The instruction set the CPU attention kernels use: 'avx512_bf16', 'avx512', 'avx2' or 'generic'.");
+  m.def("cpu_attention_isas", &cpu::available_isas,
+        "The instruction sets this CPU and build can run the CPU attention kernels with, portable first.");
   m.def("_set_cpu_attention_isa", &cpu::set_isa, py::arg("name"),
-        "Tests and benchmarks: force 'generic' or 'avx2' (ValueError if unavailable), or 'auto'.");
+        "Force one of cpu_attention_isas() (ValueError naming the available ones otherwise), or 'auto' (the best); "
+        "cbcore.ops does it from CBCORE_CPU_ISA.");
 }
 
 }  // namespace cbcore
