@@ -1,0 +1,108 @@
+"""`StepChannel`: the messages between the driver and the other ranks of a tensor-parallel group.
+
+Every message is one *exchange* on the CPU group, which every rank enters:
+
+1. a header, MAX-reduced over the ranks: `[kind, payload length, flags of rank 0, ..., flags of rank n-1]`. The
+   driver writes the kind and the length, each rank its own flags (a pause or a hard stop asked on that rank, the
+   outcome of its last forward, a fatal error). So the driver hears from every rank at every message, and a rank that
+   does not take part makes the others fail within `cpu_group_timeout` instead of waiting forever;
+2. when the length is not 0, the payload (an int64 tensor, cbcore/distributed/wire.py) broadcast from the driver;
+3. when a rank flagged an error, its text, broadcast from that rank (rare: failures only).
+
+Kinds: START (a loop began), STEP (a plan to run), COPY (block copies to issue), HEARTBEAT (the driver is idle but
+alive; it lets the others' flags reach it), PAUSE (every rank parks), RESUME (every rank left its pause), STOP (the
+driver's loop ended; with FATAL when it crashed). A step costs one exchange: a header of `2 + n` int64 and its plan.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .group import TensorParallelGroup
+
+
+class Kind(enum.IntEnum):
+    """What the driver sends."""
+
+    NONE = 0  # written by the other ranks: the MAX takes the driver's
+    START = 1
+    STEP = 2
+    COPY = 3
+    HEARTBEAT = 4
+    PAUSE = 5
+    RESUME = 6
+    STOP = 7
+
+
+class Flag(enum.IntFlag):
+    """What each rank says about itself in every header."""
+
+    PAUSE_REQUESTED = 1  # a thread of this rank holds (or waits for) pause()
+    HARD_STOP = 2  # stop(hard_stop=True) was called on this rank
+    FORWARD_FAILED = 4  # this rank's last STEP raised (its text follows)
+    FATAL = 8  # this rank's loop is ending on an error (its text follows); it takes part in no other exchange
+    PAUSE_MISSED = 16  # in RESUME: pause() was not entered on this rank in time
+    WEIGHTS_CHANGED = 32  # in START and RESUME: this rank's parameters changed in place since it last looked
+    HAS_TEXT = 64  # an error text from this rank follows the header
+
+
+@dataclass
+class Received:
+    """One exchange as every rank sees it."""
+
+    kind: Kind
+    payload: list[int] | None
+    flags: list[int]  # by tensor-parallel rank
+    texts: dict[int, str] = field(default_factory=dict)  # by rank, for the ranks that sent one
+
+    def ranks_with(self, flag: Flag) -> list[int]:
+        """The ranks that set `flag`."""
+        return [rank for rank, flags in enumerate(self.flags) if flags & flag]
+
+
+class StepChannel:
+    """The exchanges of one tensor-parallel group (see the module docstring). Not thread-safe: one thread per rank
+    uses it at a time (the loop thread; before the loop starts, the thread that starts it)."""
+
+    def __init__(self, group: TensorParallelGroup) -> None:
+        self.group = group
+        self._header = torch.zeros(2 + group.size, dtype=torch.int64)
+
+    def exchange(
+        self,
+        kind: Kind = Kind.NONE,
+        payload: torch.Tensor | None = None,
+        flags: int = 0,
+        text: str | None = None,
+        what: str = "a step",
+    ) -> Received:
+        """Enter one exchange: the driver gives `kind` and `payload`; every rank gives its `flags` and, on a
+        failure, its `text`. Raises TensorParallelError when the group is broken or does not answer in time."""
+        group = self.group
+        if group.broken is not None:
+            raise group.failed(what, RuntimeError(f"the group is unusable: {group.broken}"))
+        header = self._header
+        header.zero_()
+        if group.is_driver:
+            header[0] = int(kind)
+            header[1] = 0 if payload is None else payload.numel()
+        header[2 + group.rank] = int(flags) | (Flag.HAS_TEXT if text is not None else 0)
+        try:
+            dist.all_reduce(header, op=dist.ReduceOp.MAX, group=group.cpu_group)
+            values = header.tolist()
+            received = Received(Kind(values[0]), None, values[2:])
+            if values[1]:
+                buffer = payload if group.is_driver else torch.empty(values[1], dtype=torch.int64)
+                dist.broadcast(buffer, src=group.root, group=group.cpu_group)
+                received.payload = buffer.tolist()
+            for rank in received.ranks_with(Flag.HAS_TEXT):
+                holder = [text if rank == group.rank else None]
+                dist.broadcast_object_list(holder, src=group.global_ranks[rank], group=group.cpu_group)
+                received.texts[rank] = str(holder[0])
+        except RuntimeError as error:  # gloo's timeout and lost-peer errors (DistBackendError is a RuntimeError)
+            raise group.failed(what, error) from error
+        return received
