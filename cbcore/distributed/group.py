@@ -57,19 +57,17 @@ class TensorParallelGroup:
     `size` are within the tensor-parallel group; the driver is its rank 0. `broken` is set when a collective failed
     or a rank reported a fatal error: the group cannot be used again (start() refuses), and nothing is sent on it."""
 
-    def __init__(self, model: torch.nn.Module, mesh, cpu_group_timeout: float | None) -> None:
-        self.model = model
-        self.mesh = mesh
-        self.size = mesh.size()
-        self.rank = mesh.get_local_rank()
-        self.is_driver = self.rank == 0
-        model_group = mesh.get_group()
-        self.model_backend = dist.get_backend(model_group)
-        ranks = dist.get_process_group_ranks(model_group)
-        self.global_ranks = ranks  # by tensor-parallel rank
+    def __init__(self, ranks: list[int], rank: int, cpu_group_timeout: float | None, model_backend: str = "gloo"
+                 ) -> None:
+        """`ranks`: the group's global ranks, by tensor-parallel rank; `rank`: this process's tensor-parallel rank.
+        Use `of_model` for a model transformers sharded (this constructor is for that and for benchmarks)."""
+        self.size = len(ranks)
+        self.rank = rank
+        self.is_driver = rank == 0
+        self.model_backend = model_backend
+        self.global_ranks = ranks
         self.root = ranks[0]
         self.timeout_s = float(cpu_group_timeout) if cpu_group_timeout is not None else DEFAULT_GROUP_TIMEOUT_S
-        check_kv_heads(model, self.size)
         # A group of its own on the CPU (gloo), whatever the model's backend: the plan is ints that live on the host,
         # and a CPU group never queues behind the device's work. When the tensor-parallel group is part of a larger
         # world (data-parallel replicas), only its members take part in creating it.
@@ -92,9 +90,15 @@ class TensorParallelGroup:
 
     @classmethod
     def of_model(cls, model: torch.nn.Module, cpu_group_timeout: float | None) -> TensorParallelGroup | None:
-        """The group of a model transformers sharded over several ranks; None for a model on one process."""
+        """The group of a model transformers sharded over several ranks; None for a model on one process. Raises
+        ValueError for KV heads the plan cannot split (`check_kv_heads`)."""
         mesh = tensor_parallel_mesh(model)
-        return cls(model, mesh, cpu_group_timeout) if mesh is not None else None
+        if mesh is None:
+            return None
+        check_kv_heads(model, mesh.size())
+        model_group = mesh.get_group()
+        return cls(dist.get_process_group_ranks(model_group), mesh.get_local_rank(), cpu_group_timeout,
+                   dist.get_backend(model_group))
 
     def agree_min(self, values: list[int], what: str) -> list[int]:
         """The smallest of each value over the ranks (block counts: the driver's block ids must exist everywhere)."""
