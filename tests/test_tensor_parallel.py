@@ -148,6 +148,12 @@ def test_pause_entered_on_every_rank_resumes(served, reference):
     assert all(rank["stopped_after_pause"] for rank in served)
 
 
+def test_a_weight_changed_on_another_rank_inside_a_pause_drops_the_prefix_cache(served):
+    driver = served[0]
+    assert driver["hits_before_pause"] > 0, "the repeated prompt was not shared before the pause"
+    assert driver["hits_after_weight_change"] == 0, "K/V of the old weights was shared after rank 1's update"
+
+
 def test_hard_stop_on_any_rank_ends_every_rank(served):
     driver, follower = served
     for asking in (0, 1):

@@ -135,18 +135,29 @@ def serve(model_dir: str, backend: str, rank: int, sync) -> dict:
         seen["preempt_clean"] = _engine_clean(manager)
     manager.destroy()
 
-    # 3. A pause entered on every rank, while a request runs: it resumes and finishes as if never paused.
+    # 3. A pause entered on every rank, while a request runs: it resumes and finishes as if never paused. Inside it
+    # rank 1 alone changes a weight in place (same values, a new version): its K/V shard is stale, so the driver's
+    # prefix cache must be dropped too. Before the pause, the same prompt twice shows that it would be shared.
     config = cbcore.ContinuousBatchingConfig(num_blocks=32, page_size=4, cpu_offload_space=0, cpu_group_timeout=30)
     manager = cbcore.ContinuousBatchingManager(model, _greedy(PAUSE_NEW_TOKENS), config)
     manager.start()
     if rank == 0:
+        _collect(manager, [manager.add_request(PAUSE_PROMPT, max_new_tokens=2)])
+        _collect(manager, [manager.add_request(PAUSE_PROMPT, max_new_tokens=2)])
+        seen["hits_before_pause"] = manager.stats()["prefix_hit_tokens"]
         paused_id = manager.add_request(PAUSE_PROMPT, streaming=True)
         assert manager.get_result(paused_id, timeout=WAIT_S) is not None
     dist.barrier(group=sync)
     with manager.pause():
         seen["parked_in_pause"] = manager._loop_parked
+        if rank == 1:
+            with torch.no_grad():
+                model.model.norm.weight.mul_(1.0)
     if rank == 0:
         seen["paused"] = _collect(manager, [paused_id])[paused_id]["tokens"]
+        hits = manager.stats()["prefix_hit_tokens"]
+        _collect(manager, [manager.add_request(PAUSE_PROMPT, max_new_tokens=2)])
+        seen["hits_after_weight_change"] = manager.stats()["prefix_hit_tokens"] - hits
     manager.stop(block=True, timeout=WAIT_S)
     seen["stopped_after_pause"] = not manager.is_running()
     manager.destroy()
