@@ -2,16 +2,21 @@
 
 Every message is one *exchange* on the CPU group, which every rank enters:
 
-1. a header, MAX-reduced over the ranks: `[kind, payload length, flags of rank 0, ..., flags of rank n-1]`. The
-   driver writes the kind and the length, each rank its own flags (a pause or a hard stop asked on that rank, the
-   outcome of its last forward, a fatal error). So the driver hears from every rank at every message, and a rank that
-   does not take part makes the others fail within `cpu_group_timeout` instead of waiting forever;
-2. when the length is not 0, the payload (an int64 tensor, cbcore/distributed/wire.py) broadcast from the driver;
+1. a header, MAX-reduced over the ranks: `[kind, payload length, flags of rank 0, ..., flags of rank n-1, inline
+   room]`. The driver writes the kind and the length, each rank its own flags (a pause or a hard stop asked on that
+   rank, the outcome of its last forward, a fatal error). So the driver hears from every rank at every message, and
+   a rank that does not take part makes the others fail within `cpu_group_timeout` instead of waiting forever;
+2. the payload (an int64 tensor, cbcore/distributed/wire.py): inside the header's inline room when it fits, else
+   broadcast from the driver after it. The room is the last STEP's payload length rounded up to a power of two (at
+   most `MAX_INLINE`), which every rank derives alike from what it received, so a steady stream of steps costs one
+   collective each instead of two. Carrying data in a MAX-reduce is exact because every int of the wire format is
+   >= 0 and the other ranks write zeros;
 3. when a rank flagged an error, its text, broadcast from that rank (rare: failures only).
 
 Kinds: START (a loop began), STEP (a plan to run), COPY (block copies to issue), HEARTBEAT (the driver is idle but
 alive; it lets the others' flags reach it), PAUSE (every rank parks), RESUME (every rank left its pause), STOP (the
-driver's loop ended; with FATAL when it crashed). A step costs one exchange: a header of `2 + n` int64 and its plan.
+driver's loop ended; with FATAL when it crashed). A step costs one exchange: one collective when its plan fits the
+inline room (bench/results/tp_broadcast.md).
 """
 
 from __future__ import annotations
@@ -64,12 +69,17 @@ class Received:
         return [rank for rank, flags in enumerate(self.flags) if flags & flag]
 
 
+# The most payload ints a header carries inline (512 KiB): beyond it the payload goes in a broadcast of its own.
+MAX_INLINE = 1 << 16
+
+
 class StepChannel:
     """The exchanges of one tensor-parallel group (see the module docstring). Not thread-safe: one thread per rank
     uses it at a time (the loop thread; before the loop starts, the thread that starts it)."""
 
     def __init__(self, group: TensorParallelGroup) -> None:
         self.group = group
+        self._inline = 0  # the header's inline room of the next exchange; the same on every rank
         self._header = torch.zeros(2 + group.size, dtype=torch.int64)
 
     def exchange(
@@ -85,20 +95,30 @@ class StepChannel:
         group = self.group
         if group.broken is not None:
             raise group.failed(what, RuntimeError(f"the group is unusable: {group.broken}"))
+        start = 2 + group.size  # where the inline room begins
+        if self._header.numel() != start + self._inline:
+            self._header = torch.zeros(start + self._inline, dtype=torch.int64)
         header = self._header
         header.zero_()
+        length = 0 if payload is None else payload.numel()
         if group.is_driver:
             header[0] = int(kind)
-            header[1] = 0 if payload is None else payload.numel()
+            header[1] = length
+            if 0 < length <= self._inline:
+                header[start : start + length] = payload
         header[2 + group.rank] = int(flags) | (Flag.HAS_TEXT if text is not None else 0)
         try:
             dist.all_reduce(header, op=dist.ReduceOp.MAX, group=group.cpu_group)
-            values = header.tolist()
-            received = Received(Kind(values[0]), None, values[2:])
-            if values[1]:
-                buffer = payload if group.is_driver else torch.empty(values[1], dtype=torch.int64)
+            kind, length = Kind(int(header[0])), int(header[1])
+            received = Received(kind, None, header[2:start].tolist())
+            if 0 < length <= self._inline:
+                received.payload = header[start : start + length].tolist()
+            elif length:
+                buffer = payload if group.is_driver else torch.empty(length, dtype=torch.int64)
                 dist.broadcast(buffer, src=group.root, group=group.cpu_group)
                 received.payload = buffer.tolist()
+            if kind == Kind.STEP:  # the next step's plan is likely about as long as this one
+                self._inline = min(1 << max(length - 1, 0).bit_length(), MAX_INLINE)
             for rank in received.ranks_with(Flag.HAS_TEXT):
                 holder = [text if rank == group.rank else None]
                 dist.broadcast_object_list(holder, src=group.global_ranks[rank], group=group.cpu_group)

@@ -4,7 +4,8 @@ list of ints carried by one int64 tensor (cbcore/distributed/channel.py broadcas
 A plan is `[n, (num_tokens, start, num_blocks, emits) * n, tokens and block table of request 0, of request 1, ...]`.
 Request ids stay on the driver: a rank that only runs the forward needs the tokens, positions and blocks, not who
 they belong to (the driver alone samples and delivers). Copies are `[d2d pairs, d2h pairs, h2d pairs, the pairs
-flattened in that order]`.
+flattened in that order]`. Every int is >= 0 (token ids are checked on entry; positions, counts and block ids are
+never negative), which lets the channel carry a payload inside a MAX-reduce.
 """
 
 from __future__ import annotations
