@@ -225,6 +225,8 @@ def main() -> None:
     scenario, model_dir, out_dir = sys.argv[1:4]
     backend = os.environ.get("CBCORE_TP_BACKEND", "gloo")
     torch.set_num_threads(1)  # two ranks share two cores
+    if backend == "nccl":  # each rank on its own GPU before the group exists (NCCL binds the current device)
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=WAIT_S))
     rank = dist.get_rank()
     sync = dist.new_group(backend="gloo")  # the script's own barriers: never on a group the loops use

@@ -10,7 +10,8 @@ sends each step to the others.
 | `driver.py` | `DriverRunner` (every copy and forward sent first) and `DriverLink` (heartbeats, pause, start, stop) |
 | `follower.py` | the loop of the other ranks: run what the driver sends |
 | `pause.py` | `pause()` across the group |
-| `launch.py` | `torchrun ... -m cbcore`: the process group and the sharded model |
+| `launch.py` | `torchrun ... -m cbcore`: the sharded model, the driver prints or serves, the others run its steps |
+| `errors.py` | `TensorParallelError`, the group's failure (never one request's) |
 """
 
 from __future__ import annotations

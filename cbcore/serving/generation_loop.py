@@ -87,15 +87,15 @@ class GenerationLoop:
                 self._pause_cond.notify_all()
 
     def _run_generation_loop(self, use_inference_mode: bool, num_threads: int) -> None:
-        # The caller's torch thread count, set explicitly in this thread, so the loop runs with the caller's choice
-        # rather than whatever OpenMP gives a new thread. (Some runs here measured torch ops 20-35% slower in a new
-        # thread without it; bench/test_bench_linear.py::test_threads tracks it, and it does not always reproduce.)
         group = self._tensor_parallel
-        if group is not None and not group.is_driver:
+        if group is not None and not group.is_driver:  # another rank of a tensor-parallel group: the driver's steps
             from ..distributed.follower import run_follower_loop
 
             return run_follower_loop(self, use_inference_mode, num_threads)
         link = group.driver_link if group is not None else None
+        # The caller's torch thread count, set explicitly in this thread, so the loop runs with the caller's choice
+        # rather than whatever OpenMP gives a new thread. (Some runs here measured torch ops 20-35% slower in a new
+        # thread without it; bench/test_bench_linear.py::test_threads tracks it, and it does not always reproduce.)
         torch.set_num_threads(num_threads)
         engine = self.engine
         self._steps_at_start = engine.counters["steps"]

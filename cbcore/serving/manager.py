@@ -317,13 +317,14 @@ class ContinuousBatchingManager(RequestSubmission, GenerationLoop):
             # releases the engine itself when it ends, so destroying does not wait for it.
             return
         self._release()
-        if self._tensor_parallel is not None:
-            self._tensor_parallel.destroy()
 
     def _release(self) -> None:
-        """Hand the model back and drop the engine, its cache with it."""
+        """Hand the model back and drop the engine, its cache with it (and a tensor-parallel group's CPU channel:
+        only `destroy()` releases)."""
         self._restore_attn()
         self.engine = None
+        if self._tensor_parallel is not None:
+            self._tensor_parallel.destroy()
 
     # --------------------------------------------------------------------------------------------- results ----
 
