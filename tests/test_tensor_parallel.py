@@ -117,6 +117,13 @@ def paused_on_one_rank(request, model_dir, tmp_path_factory):
                      request.param)
 
 
+@pytest.fixture(scope="module", params=_backends())
+def failed_on_one_rank(request, model_dir, tmp_path_factory):
+    """The `failure_on_one_rank` scenario's view from each rank."""
+    return run_ranks("failure_on_one_rank", model_dir, tmp_path_factory.mktemp(f"fail1_{request.param}"),
+                     request.param)
+
+
 def test_greedy_tokens_equal_generate_across_chunked_prefill_and_prefix_sharing(served, reference):
     driver = served[0]
     expected = {f"req_{i}": reference(p, tp_worker.CHUNKED_NEW_TOKENS) for i, p in enumerate(tp_worker.CHUNKED_PROMPTS)}
@@ -169,6 +176,15 @@ def test_pause_entered_on_one_rank_fails_every_rank_within_the_timeout(paused_on
         assert "cpu_group_timeout=4s" in rank["error"]
         assert "restart every process" in rank["restart_refused"]
     assert paused_on_one_rank[0]["request_status"] == int(RequestStatus.FAILED)
+
+
+def test_a_failure_on_one_rank_ends_every_rank(failed_on_one_rank):
+    driver, follower = failed_on_one_rank
+    assert driver["request_status"] == int(RequestStatus.FAILED)
+    assert "the forward raised on tensor-parallel rank(s) [1] but not on the driver" in driver["request_error"]
+    assert "injected failure on rank 1" in driver["request_error"]
+    # Both ranks read the same exchange and end with the same error (the other rank never runs the next step alone).
+    assert driver["error"] == follower["error"] and "injected failure on rank 1" in follower["error"]
 
 
 def test_torchrun_generate_prints_the_driver_outputs(model_dir, reference, tmp_path):

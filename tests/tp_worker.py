@@ -218,7 +218,40 @@ def pause_on_one_rank(model_dir: str, backend: str, rank: int, sync) -> dict:
     return seen
 
 
-SCENARIOS = {"serve": serve, "pause_on_one_rank": pause_on_one_rank}
+def failure_on_one_rank(model_dir: str, backend: str, rank: int, sync) -> dict:
+    """Rank 1's forward raises after its collectives (the driver's does not): the driver's requests end FAILED
+    naming rank 1's error, and both loops end."""
+    import cbcore
+
+    model = _load(model_dir, backend)
+    config = cbcore.ContinuousBatchingConfig(num_blocks=32, page_size=4, cpu_offload_space=0, cpu_group_timeout=30)
+    manager = cbcore.ContinuousBatchingManager(model, _greedy(10_000), config)
+    manager.start()
+    if rank == 1:
+        runner = manager.engine.runner
+        real_forward = runner.forward
+        calls = []
+
+        def failing_forward(plan, step_hook=None):
+            result = real_forward(plan, step_hook)  # every collective of the step done: the driver's forward ends
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("injected failure on rank 1")
+            return result
+
+        runner.forward = failing_forward
+    seen: dict = {}
+    if rank == 0:
+        request_id = manager.add_request(PAUSE_PROMPT, max_new_tokens=50)
+        final = _collect(manager, [request_id])[request_id]
+        seen["request_status"], seen["request_error"] = final["status"], final["error"]
+    _wait_until_stopped(manager)
+    seen["error"] = str(manager.background_thread_status.fatal_error)
+    manager.destroy()
+    return seen
+
+
+SCENARIOS = {"serve": serve, "pause_on_one_rank": pause_on_one_rank, "failure_on_one_rank": failure_on_one_rank}
 
 
 def main() -> None:

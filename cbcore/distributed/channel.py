@@ -48,7 +48,7 @@ class Flag(enum.IntFlag):
 
     PAUSE_REQUESTED = 1  # a thread of this rank holds (or waits for) pause()
     HARD_STOP = 2  # stop(hard_stop=True) was called on this rank
-    FORWARD_FAILED = 4  # this rank's last STEP raised (its text follows)
+    FORWARD_FAILED = 4  # this rank's last STEP raised (a non-driver's text follows, once; the driver's flag stays)
     FATAL = 8  # this rank's loop is ending on an error (its text follows); it takes part in no other exchange
     PAUSE_MISSED = 16  # in RESUME: pause() was not entered on this rank in time
     WEIGHTS_CHANGED = 32  # in START and RESUME: this rank's parameters changed in place since it last looked
@@ -67,6 +67,23 @@ class Received:
     def ranks_with(self, flag: Flag) -> list[int]:
         """The ranks that set `flag`."""
         return [rank for rank, flags in enumerate(self.flags) if flags & flag]
+
+    def group_failure(self, me: int) -> str | None:
+        """Why this exchange ends the group, the same on every rank that reads it (so no rank acts on a message
+        the others drop): another rank's loop is failing (FATAL), or a plan's forward raised on some rank but not
+        on the driver (whose own FORWARD_FAILED says how its last forward ended), so that rank's KV shard cannot be
+        trusted. None when the group goes on."""
+        fatal = [rank for rank in self.ranks_with(Flag.FATAL) if rank != me]
+        if fatal:
+            return f"tensor-parallel rank(s) {fatal} failed: {self.texts_of(fatal)}"
+        failed = [rank for rank in self.ranks_with(Flag.FORWARD_FAILED) if rank != 0]
+        if failed and not self.flags[0] & Flag.FORWARD_FAILED:
+            return f"the forward raised on tensor-parallel rank(s) {failed} but not on the driver: {self.texts_of(failed)}"
+        return None
+
+    def texts_of(self, ranks: list[int]) -> str:
+        """The error texts of `ranks`, for a message."""
+        return "; ".join(f"rank {rank}: {self.texts.get(rank, '(no message)')}" for rank in ranks)
 
 
 # The most payload ints a header carries inline (512 KiB): beyond it the payload goes in a broadcast of its own.

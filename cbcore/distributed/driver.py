@@ -44,19 +44,14 @@ class DriverLink:
 
     def send(self, kind: Kind, payload: torch.Tensor | None = None, flags: int = 0, text: str | None = None) -> Received:
         """One exchange from the driver; raises TensorParallelError for a failure another rank reports."""
+        if self.last_forward_failed:  # every rank compares it with its own (Received.group_failure)
+            flags |= Flag.FORWARD_FAILED
         received = self.channel.exchange(kind, payload, flags, text, what=f"sending {kind.name}")
         self._last_exchange = time.monotonic()
-        fatal = [rank for rank in received.ranks_with(Flag.FATAL) if rank != 0]
-        if fatal:
-            self.group.broken = f"rank(s) {fatal} failed"
-            raise TensorParallelError(f"tensor-parallel rank(s) {fatal} failed: {_texts(received, fatal)}")
-        failed = [rank for rank in received.ranks_with(Flag.FORWARD_FAILED) if rank != 0]
-        if failed and not self.last_forward_failed:
-            # The same plan raised on another rank but not here: that rank's KV shard cannot be trusted.
-            raise TensorParallelError(
-                f"the forward raised on tensor-parallel rank(s) {failed} but not on the driver: "
-                f"{_texts(received, failed)}"
-            )
+        failure = received.group_failure(me=0)
+        if failure is not None:  # every other rank read the same and ends too: nothing more is sent
+            self.group.broken = failure
+            raise TensorParallelError(failure)
         self.pause_requested_elsewhere = any(rank != 0 for rank in received.ranks_with(Flag.PAUSE_REQUESTED))
         for rank in received.ranks_with(Flag.HARD_STOP):
             if rank not in self.hard_stop_requested_by:
@@ -103,10 +98,6 @@ class DriverLink:
             logger.error(f"cbcore: telling the tensor-parallel group that the driver's loop ended failed: {failure}")
         if error is not None:
             self.group.broken = self.group.broken or f"the driver's loop failed: {text}"
-
-
-def _texts(received: Received, ranks: list[int]) -> str:
-    return "; ".join(f"rank {rank}: {received.texts.get(rank, '(no message)')}" for rank in ranks)
 
 
 class DriverRunner(ModelRunner):

@@ -40,7 +40,7 @@ def run_follower_loop(manager, use_inference_mode: bool, num_threads: int) -> No
                 received = channel.exchange(flags=carried | _asked_here(manager), text=text,
                                             what="waiting for the driver's next message")
                 carried, text = 0, None
-                _raise_for_failures(received, group.rank)
+                _raise_for_failures(received, group)
                 kind = received.kind
                 if kind == Kind.STEP:
                     try:
@@ -56,7 +56,7 @@ def run_follower_loop(manager, use_inference_mode: bool, num_threads: int) -> No
                     if engine.notice_weight_changes():
                         flags |= Flag.WEIGHTS_CHANGED
                     resumed = channel.exchange(flags=flags, what="leaving a pause")
-                    _raise_for_failures(resumed, group.rank)
+                    _raise_for_failures(resumed, group)
                     if resumed.kind != Kind.RESUME:
                         raise TensorParallelError(f"the driver sent {resumed.kind.name} during a pause, not RESUME")
                     check_resumed(resumed, group)
@@ -96,9 +96,10 @@ def _asked_here(manager) -> int:
     return flags
 
 
-def _raise_for_failures(received: Received, me: int) -> None:
-    """Another rank's loop is ending on an error (the driver's with its STOP): this rank's ends with it."""
-    fatal = [rank for rank in received.ranks_with(Flag.FATAL) if rank != me]
-    if fatal:
-        texts = "; ".join(f"rank {rank}: {received.texts.get(rank, '(no message)')}" for rank in fatal)
-        raise TensorParallelError(f"tensor-parallel rank(s) {fatal} failed: {texts}")
+def _raise_for_failures(received: Received, group) -> None:
+    """The exchange ends the group (another rank's loop is failing, the driver's with its STOP, or a forward
+    raised here but not on the driver): this rank's loop ends with it, before acting on the message."""
+    failure = received.group_failure(me=group.rank)
+    if failure is not None:
+        group.broken = failure
+        raise TensorParallelError(failure)
