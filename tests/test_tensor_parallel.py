@@ -161,11 +161,13 @@ def test_a_weight_changed_on_another_rank_inside_a_pause_drops_the_prefix_cache(
     assert driver["hits_after_weight_change"] == 0, "K/V of the old weights was shared after rank 1's update"
 
 
-def test_hard_stop_on_any_rank_ends_every_rank(served):
+def test_hard_stop_on_any_rank_ends_every_rank(served, reference):
     driver, follower = served
     for asking in (0, 1):
         assert "hard_stop" in driver[f"hard_stop_from_{asking}"]  # FAILED, with the stop named in its error
         assert follower[f"hard_stop_from_{asking}"] is True  # the other rank's loop ended without an error
+        # and the same managers start again and serve
+        assert driver[f"served_after_hard_stop_from_{asking}"] == reference(tp_worker.PAUSE_PROMPT, 3)
     # and both processes exited 0 (run_ranks checked it)
 
 

@@ -180,6 +180,12 @@ def serve(model_dir: str, backend: str, rank: int, sync) -> dict:
             seen[f"hard_stop_from_{asking}"] = final["status"] == int(RequestStatus.FAILED) and final["error"]
         else:
             seen[f"hard_stop_from_{asking}"] = manager.background_thread_status.fatal_error is None
+        # The same managers serve a next session: the hard stop asked in the last one is not asked again.
+        manager.start()
+        if rank == 0:
+            again = manager.add_request(PAUSE_PROMPT, max_new_tokens=3)
+            seen[f"served_after_hard_stop_from_{asking}"] = _collect(manager, [again])[again]["tokens"]
+        manager.stop(block=True, timeout=WAIT_S)
         manager.destroy()
     return seen
 

@@ -21,13 +21,18 @@ from .group import TensorParallelGroup
 
 
 def join_group(model, cpu_group_timeout: float | None) -> TensorParallelGroup | None:
-    """The tensor-parallel group of `model` (None for a model on one process), with the driver's link on rank 0.
-    A collective: every rank of the group calls it at once (the manager's constructor does)."""
+    """The tensor-parallel group of `model` (None for a model on one process), with its channel and, on rank 0,
+    the driver's link. A collective: every rank of the group calls it at once (the manager's constructor does)."""
     group = TensorParallelGroup.of_model(model, cpu_group_timeout)
-    if group is not None and group.is_driver:
+    if group is not None:
+        from .channel import StepChannel
         from .driver import DriverLink
 
-        group.driver_link = DriverLink(group)
+        # One channel for the group's whole life, on every rank: its inline room carries over from one session to
+        # the next (a kept manager started again) and must be the same on every rank.
+        group.channel = StepChannel(group)
+        if group.is_driver:
+            group.driver_link = DriverLink(group)
     return group
 
 

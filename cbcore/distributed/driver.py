@@ -18,7 +18,7 @@ import torch
 
 from ..plan import BlockCopies, StepPlan
 from ..runner import ModelRunner
-from .channel import Flag, Kind, Received, StepChannel
+from .channel import Flag, Kind, Received
 from .errors import TensorParallelError
 from .group import TensorParallelGroup
 from .pause import check_resumed, entry_wait_s, park_for_group_pause
@@ -33,7 +33,7 @@ class DriverLink:
 
     def __init__(self, group: TensorParallelGroup) -> None:
         self.group = group
-        self.channel = StepChannel(group)
+        self.channel = group.channel
         self.pause_requested_elsewhere = False
         self.hard_stop_requested_by: list[int] = []
         self.last_forward_failed = False
@@ -65,7 +65,11 @@ class DriverLink:
 
     def start_session(self, engine) -> None:
         """The loop begins: every rank's loop answers, and a rank whose weights changed since the last session (an
-        optimizer step between two sessions of a kept manager) invalidates the driver's prefix cache too."""
+        optimizer step between two sessions of a kept manager) invalidates the driver's prefix cache too. What the
+        other ranks asked in the last session (a hard stop that ended it) is forgotten."""
+        self.pause_requested_elsewhere = False
+        self.hard_stop_requested_by = []
+        self.last_forward_failed = False
         received = self.send(Kind.START)
         if received.ranks_with(Flag.WEIGHTS_CHANGED):
             engine.notice_weight_changes(changed_elsewhere=True)

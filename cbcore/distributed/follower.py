@@ -17,7 +17,7 @@ import logging
 import torch
 
 from ..serving.generation_loop import StopMode
-from .channel import Flag, Kind, Received, StepChannel
+from .channel import Flag, Kind, Received
 from .errors import TensorParallelError
 from .pause import check_resumed, entry_wait_s, park_for_group_pause
 from .wire import decode_copies, decode_plan
@@ -30,7 +30,7 @@ def run_follower_loop(manager, use_inference_mode: bool, num_threads: int) -> No
     torch.set_num_threads(num_threads)
     engine = manager.engine
     group = manager._tensor_parallel
-    channel = StepChannel(group)
+    channel = group.channel
     carried, text = 0, None  # what the next exchange reports about the last one
     try:
         with torch.inference_mode(use_inference_mode):

@@ -78,7 +78,8 @@ class TensorParallelGroup:
             use_local_synchronization=len(ranks) < dist.get_world_size(),
         )
         self.broken: str | None = None
-        # The driver's end of the channel (cbcore/distributed/driver.py), set by `join_group`; None on other ranks.
+        # Set by `join_group`: the group's `StepChannel` (every rank), the driver's end of it (rank 0; else None).
+        self.channel = None
         self.driver_link = None
         if self.model_backend == "nccl" and os.environ.get("NCCL_GRAPH_MIXING_SUPPORT") != "0":
             # As transformers warns (disable_nccl_graph_mixing): the variable must be set before the process group is
