@@ -108,11 +108,12 @@ class DriverRunner(ModelRunner):
     """`ModelRunner` on the driver of a tensor-parallel group: each block copy and each forward is sent to the other
     ranks first (`DriverLink.send`), then done here; sampling is the driver's alone."""
 
-    def __init__(self, model: torch.nn.Module, cache, sampler, link: DriverLink) -> None:
-        super().__init__(model, cache, sampler)
+    def __init__(self, link: DriverLink, *runner_args, **runner_kwargs) -> None:
+        """`runner_args` / `runner_kwargs`: `ModelRunner`'s own (model, cache, sampler, ...)."""
+        super().__init__(*runner_args, **runner_kwargs)
         self.link = link
-        head = model.get_output_embeddings()
-        self.vocab_width = getattr(head, "out_features", None) or model.config.get_text_config().vocab_size
+        head = self.model.get_output_embeddings()
+        self.vocab_width = getattr(head, "out_features", None) or self.model.config.get_text_config().vocab_size
 
     def copy_blocks(self, copies: BlockCopies) -> None:
         """Send the copies to every rank, then issue them here (`ModelRunner.copy_blocks`)."""
@@ -141,9 +142,10 @@ class DriverRunner(ModelRunner):
         return logits, emitted
 
 
-def make_runner(model: torch.nn.Module, cache, sampler, group: TensorParallelGroup | None) -> ModelRunner:
-    """The runner of one rank: a `DriverRunner` on a tensor-parallel driver, the plain `ModelRunner` elsewhere (the
-    other ranks' runners run what the driver sends; they never sample)."""
+def make_runner(group: TensorParallelGroup | None, *runner_args, **runner_kwargs) -> ModelRunner:
+    """The runner of one rank, built with `ModelRunner`'s own arguments: a `DriverRunner` on a tensor-parallel
+    driver, the plain `ModelRunner` elsewhere (the other ranks' runners run what the driver sends; they never
+    sample)."""
     if group is not None and group.is_driver:
-        return DriverRunner(model, cache, sampler, group.driver_link)
-    return ModelRunner(model, cache, sampler)
+        return DriverRunner(group.driver_link, *runner_args, **runner_kwargs)
+    return ModelRunner(*runner_args, **runner_kwargs)

@@ -110,7 +110,7 @@ class EngineCore:
             generation_config, processors_for, cb_config.return_logprobs, cb_config.seed,
             cb_config.per_request_processors, logit_processor, do_sample,
         )
-        self.runner = make_runner(model, self.cache, sampler, tensor_parallel)
+        self.runner = make_runner(tensor_parallel, model, self.cache, sampler)
         cb_config.num_blocks = sizes.num_blocks
         cb_config.max_batch_tokens = sizes.max_batch_tokens
         cb_config.max_requests_per_batch = sizes.max_requests_per_batch
