@@ -42,8 +42,11 @@ class ContinuousBatchingConfig(_TransformersCBConfig):
             preempted requests are swapped to, capped at the threshold share of RAM; works without a GPU.
         drop_unsupported_processors: cbcore applies every logits processor `model.generate` builds (with each
             request's real history), so there is nothing to drop; accepted for compatibility.
-        auto_switch_to_flash, disable_nccl_graph_mixing, cpu_group_timeout: accepted; cbcore always runs its own paged
-            attention in a single process, so they have no effect.
+        auto_switch_to_flash: accepted; cbcore always runs its own paged attention, so it has no effect.
+        cpu_group_timeout: under tensor parallelism, the timeout of the CPU group the driver sends each step over
+            (cbcore/distributed/): no rank waits longer than that for another; None is torch's default (30 min).
+        disable_nccl_graph_mixing: as in transformers (its `__post_init__`, inherited): sets
+            NCCL_GRAPH_MIXING_SUPPORT=0 when WORLD_SIZE > 1, and a warning when a NCCL group existed before.
         q/kv_padding_interval_size: they only shape CUDA graphs; accepted (and unused) while graphs are off.
         varlen_compile_config, decode_compile_config, default_compile_level (and the deprecated
             use_default_compile_configs, mapped as transformers maps it): torch.compile of the step's forward, on

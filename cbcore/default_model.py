@@ -208,11 +208,13 @@ def ensure_default_model() -> Path:
     return target
 
 
-def _from_pretrained(source: str | Path, torch_dtype, device: str, **kwargs):
+def _from_pretrained(source: str | Path, torch_dtype, device: str, sharding: dict | None, **kwargs):
     """`from_pretrained` straight onto `device` when accelerate is installed (transformers needs it for
-    `device_map`); otherwise load on the CPU and move the model."""
+    `device_map`); otherwise load on the CPU and move the model. With `sharding`, transformers places the shards."""
     from transformers import AutoModelForCausalLM
 
+    if sharding:
+        return AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **sharding, **kwargs)
     if importlib.util.find_spec("accelerate") is not None:
         return AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, device_map=device, **kwargs)
     return AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs).to(device)
@@ -228,7 +230,7 @@ def _has_tokenizer(folder: Path) -> bool:
 
 
 def load_model_and_tokenizer(
-    name_or_path: str | None = None, dtype: str = "float32", device: str = "cpu"
+    name_or_path: str | None = None, dtype: str = "float32", device: str = "cpu", sharding: dict | None = None
 ) -> tuple[Any, Any]:
     """Load a causal LM and its tokenizer for cbcore's commands.
 
@@ -238,6 +240,8 @@ def load_model_and_tokenizer(
             cached); or a Hugging Face hub id that is already in the local Hugging Face cache (cbcore never downloads).
         dtype: "float32", "bfloat16" or "float16".
         device: where the model goes ("cpu", "cuda", "cuda:1", ...).
+        sharding: `from_pretrained` arguments that shard the model over torchrun's ranks instead of placing it on
+            `device` (cbcore/distributed/launch.py); a .gguf file cannot be sharded.
 
     Returns:
         (model in eval mode, tokenizer); the tokenizer is None when a local folder holds no tokenizer files (prompts
@@ -252,6 +256,9 @@ def load_model_and_tokenizer(
     else:
         source = Path(name_or_path).expanduser()
         if source.is_file() and source.suffix == ".gguf":
+            if sharding:
+                raise ModelLoadError(f"--model {name_or_path}: a .gguf file cannot be loaded with a tensor-parallel "
+                                     "plan; convert it to a model folder first (save_pretrained)")
             model, tokenizer = load_gguf(source.parent, source.name)
             return model.to(device=device, dtype=torch_dtype).eval(), tokenizer
         if not source.exists():
@@ -263,12 +270,12 @@ def load_model_and_tokenizer(
             raise ModelLoadError(f"--model {name_or_path}: not a folder or a .gguf file")
         if not (source / "config.json").exists():
             raise ModelLoadError(f"--model {name_or_path}: the folder has no config.json, so it is not a model folder")
-        model = _from_pretrained(source, torch_dtype, device)
+        model = _from_pretrained(source, torch_dtype, device, sharding)
         if _has_tokenizer(source):
             tokenizer = AutoTokenizer.from_pretrained(source)
     else:
         try:
-            model = _from_pretrained(source, torch_dtype, device, local_files_only=True)
+            model = _from_pretrained(source, torch_dtype, device, sharding, local_files_only=True)
         except (OSError, ValueError) as error:
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise ModelLoadError(

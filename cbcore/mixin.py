@@ -96,6 +96,9 @@ class ContinuousMixin:
 
         `max_new_tokens` may be passed as a keyword, as in transformers; any other keyword raises a TypeError
         (transformers silently ignores them).
+
+        Under tensor parallelism (`torchrun`, a model loaded with a tensor-parallel plan) every rank calls it with the
+        same arguments; the driver (rank 0) returns the outputs, the other ranks serve its steps and return `{}`.
         """
         max_new_tokens = kwargs.pop("max_new_tokens", None)
         if kwargs:
@@ -126,6 +129,10 @@ class ContinuousMixin:
             workload_hints=hints,
         ) as manager:
             request_ids = manager.add_requests(inputs, max_new_tokens=max_new_tokens, record_timestamps=record_timestamps)
+            if request_ids is None:
+                # Not the tensor-parallel driver: the outputs are the driver's. Leaving the block stops this manager,
+                # which on such a rank waits for the driver to end the session.
+                return {}
             with tqdm(total=num_requests, disable=not progress_bar, desc=f"Solving {num_requests} requests", unit="request") as bar:
                 while len(results) < num_requests:
                     result = manager.get_result(timeout=1)

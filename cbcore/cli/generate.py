@@ -110,16 +110,20 @@ def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
     import cbcore
     from cbcore.compiled_step import compile_seconds
     from cbcore.default_model import ModelLoadError, load_model_and_tokenizer
+    from cbcore.distributed.launch import is_driver_process, tensor_parallel_load_kwargs, torchrun_world_size
 
     prompts = collect_prompts(args)  # before loading the model: a bad input file fails fast
     cb_config = build_cb_config(args)
-    output_file = _open_output(args.output)
+    # Under torchrun every rank loads its shard and runs generate_batch; rank 0 (the driver) alone writes.
+    driver = is_driver_process()
+    output_file = _open_output(args.output) if driver else None
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
     hf_logging.disable_progress_bar()  # transformers' per-file loading bars; generate_batch's own bar stays
     started = time.perf_counter()
     try:
-        model, tokenizer = load_model_and_tokenizer(args.model, dtype=args.dtype, device=device)
+        sharding = tensor_parallel_load_kwargs(args.device) if torchrun_world_size() > 1 else None
+        model, tokenizer = load_model_and_tokenizer(args.model, dtype=args.dtype, device=device, sharding=sharding)
     except (ModelLoadError, OSError, ValueError) as error:
         raise UsageError(f"cannot load the model: {error}") from error
     name = args.model or "the default model (SmolLM2-135M-Instruct)"
@@ -133,13 +137,18 @@ def run_generate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
     cbcore.enable(model)
     compiled_before = compile_seconds(model)
     started = time.perf_counter()
-    outputs = model.generate_batch(
-        inputs,
-        generation_config=gen_config,
-        continuous_batching_config=cb_config,
-        progress_bar=not args.no_progress,
-    )
+    try:
+        outputs = model.generate_batch(
+            inputs,
+            generation_config=gen_config,
+            continuous_batching_config=cb_config,
+            progress_bar=driver and not args.no_progress,
+        )
+    except (ValueError, NotImplementedError) as error:  # a model or setting cbcore refuses (named in the error)
+        raise UsageError(f"cannot serve this model: {error}") from error
     wall = time.perf_counter() - started
+    if not driver:
+        return EXIT_OK  # the driver prints the outputs (and fails for failed requests)
     compiled = compile_seconds(model) - compiled_before
     if compiled:  # paid once, before the first step (included in the wall time above)
         print(f"compiled the step ahead in {compiled:.1f} s (default_compile_level="

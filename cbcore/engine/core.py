@@ -17,6 +17,7 @@ were not forked yet (with its status and error), and its blocks are released.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import time
 
@@ -27,9 +28,12 @@ from transformers.generation.continuous_batching.utils import WorkloadHints
 from ..cache import PagedKVCache
 from ..cache_shape import CacheShape
 from ..config import ContinuousBatchingConfig
+from ..distributed.driver import make_runner
+from ..distributed.errors import TensorParallelError
+from ..distributed.group import TensorParallelGroup
 from ..requests import GenerationOutput, RequestState, RequestStatus, child_request_id
 from ..compiled_step import resolve_compile_configs
-from ..runner import ModelRunner, StepResult
+from ..runner import StepResult
 from ..sampling import LogitsProcessorSwitch, Sampler
 from ..scheduler import SCHEDULING_ORDERS, ScheduledBatch, ScheduledRequest, Scheduler
 from ..swap import plan_num_host_blocks
@@ -56,19 +60,26 @@ class EngineCore:
         workload_hints: WorkloadHints | None = None,
         logit_processor: LogitsProcessorSwitch | None = None,
         do_sample: bool | None = None,
+        tensor_parallel: TensorParallelGroup | None = None,
     ) -> None:
         """Size and allocate the cache and build the scheduler, sampler and runner (all or nothing: an error leaves
         nothing allocated). `generation_config` is prepared as `model.generate` prepares it and builds the logits
         processors; `do_sample` (default: the config's) says whether tokens are sampled or taken greedily from the
         processed logits. The resolved sizes are written back into `cb_config`, as transformers does after creating
-        its cache."""
+        its cache. Under tensor parallelism (`tensor_parallel`: this rank's group) every rank builds its engine at
+        once: the block counts are the smallest over the ranks, and the driver's runner sends its work to the others
+        (cbcore/distributed/)."""
         self.model = model
+        self._tensor_parallel = tensor_parallel
         self.binding = ModelBinding(model)
         self._vocab_size = model.get_input_embeddings().num_embeddings
         self._position_limit = absolute_position_limit(model)
         device = model.device
         shape = CacheShape.from_model(model, model.dtype)
         sizes = plan_sizes(model, shape, cb_config, workload_hints)
+        if tensor_parallel is not None:  # sized from each rank's own memory; the driver's block ids exist everywhere
+            (num_blocks,) = tensor_parallel.agree_min([sizes.num_blocks], "the number of KV-cache blocks")
+            sizes = dataclasses.replace(sizes, num_blocks=num_blocks)
         try:
             self.cache = PagedKVCache(shape, sizes.num_blocks, cb_config.page_size, device, cb_config.allow_block_sharing)
         except (RuntimeError, MemoryError) as error:  # torch raises RuntimeError when an allocation fails
@@ -100,7 +111,8 @@ class EngineCore:
             generation_config, processors_for, cb_config.return_logprobs, cb_config.seed,
             cb_config.per_request_processors, logit_processor, do_sample,
         )
-        self.runner = ModelRunner(model, self.cache, sampler, resolve_compile_configs(cb_config, generation_config))
+        self.runner = make_runner(tensor_parallel, model, self.cache, sampler,
+                                  resolve_compile_configs(cb_config, generation_config))
         cb_config.num_blocks = sizes.num_blocks
         cb_config.max_batch_tokens = sizes.max_batch_tokens
         cb_config.max_requests_per_batch = sizes.max_requests_per_batch
@@ -118,6 +130,8 @@ class EngineCore:
     def _enable_swap(self, shape: CacheShape, cfg: ContinuousBatchingConfig) -> None:
         bytes_per_block = shape.bytes_per_token * cfg.page_size
         num_host_blocks = plan_num_host_blocks(cfg.cpu_offload_space, cfg.cpu_offload_space_safety_threshold, bytes_per_block)
+        if self._tensor_parallel is not None:
+            (num_host_blocks,) = self._tensor_parallel.agree_min([num_host_blocks], "the number of host blocks")
         if num_host_blocks < 1:
             raise ValueError(
                 f"cpu_offload_space={cfg.cpu_offload_space} GiB holds no block of {bytes_per_block} bytes (after the "
@@ -296,6 +310,8 @@ class EngineCore:
         K/V is rewritten with the same values into its own blocks. Returns (step results, [(item, error)])."""
         try:
             return [self.runner.execute(ScheduledBatch(requests=items))], []
+        except TensorParallelError:  # a rank of the group failed: no request's fault, nothing to isolate
+            raise
         except Exception as error:  # noqa: BLE001 - a failing step fails its culprits, not the loop
             if len(items) == 1:
                 logger.warning(f"cbcore: request {items[0].state.request_id} failed its step: {error!r}")
@@ -348,31 +364,21 @@ class EngineCore:
 
     # ---- weights and inspection --------------------------------------------------------------------------------
 
-    def compile_ahead(self) -> float:
-        """Compile the step's forward for every shape a step needs (cbcore/compiled_step.py), with the model bound
-        as it is while serving; returns the seconds it took (0.0 when nothing is compiled; milliseconds when the
-        graphs exist and are still valid)."""
-        forward = self.runner.step_forward
-        if not forward.compiled:
-            return 0.0
-        was_attached = self.binding.attached
-        self.binding.attach()
-        try:
-            return forward.warmup(self._vocab_size).total_seconds
-        finally:
-            if not was_attached:
-                self.binding.detach()
-
-    def notice_weight_changes(self) -> None:
+        self.runner = make_runner(tensor_parallel, model, self.cache, sampler,
+                                  resolve_compile_configs(cb_config, generation_config))
         """If any parameter changed in place since the last look (an update inside `pause()`, an optimizer step
         between two sessions of a kept manager), K/V cached for the old weights must not be shared with new
         requests, so the prefix cache is invalidated. Weights can change only while the loop is parked or stopped,
-        so the loop looks when it starts and when a pause is released, not every step."""
+        so the loop looks when it starts and when a pause is released, not every step. `changed_elsewhere`: another
+        tensor-parallel rank's shard changed (its K/V shard is stale), so invalidate even if this one's did not.
+        Returns whether this process's parameters changed."""
         signature = hash(tuple((id(p), p._version) for p in self.model.parameters()))
-        if self._weights_signature is not None and signature != self._weights_signature:
+        changed = self._weights_signature is not None and signature != self._weights_signature
+        if changed or changed_elsewhere:
             dropped = self.cache.invalidate_prefixes()
             logger.info(f"cbcore: the model's weights changed; {dropped} cached prefix blocks will not be shared")
         self._weights_signature = signature
+        return changed
 
     def check(self) -> None:
         """Assert the allocator's invariants and that block refcounts equal the block tables holding them."""

@@ -6,6 +6,10 @@ and deliver its outputs. A terminal output frees its request id the moment it is
 silently: an exception fails every request it holds, is kept in `background_thread_status.fatal_error` and closes the
 manager to new requests until the next `start()`. Whatever way it ends, the loop itself hands the model back, as the
 last thing it does, when no step can be in flight any more.
+
+Under tensor parallelism (cbcore/distributed/) the driver's loop is this one, with four additions: it starts each
+session with the other ranks, sends a heartbeat when idle, opens pauses on every rank, and tells them when it ends;
+a hard stop asked on another rank stops it. The other ranks run `run_follower_loop` instead.
 """
 
 from __future__ import annotations
@@ -51,7 +55,11 @@ class GenerationLoop:
         the loop is parked between two steps; on exit it resumes with its cache and in-flight requests intact
         (nothing is drained, nothing lost). Several threads may hold the pause at once; the loop resumes when the last
         one leaves. Raises RuntimeError when no loop is running, or when the loop ends (stopped or crashed) before it
-        could park: it never waits for a loop that is gone."""
+        could park: it never waits for a loop that is gone.
+
+        Under tensor parallelism every rank must enter it (as in transformers): the group's loops park together. A
+        rank whose caller does not enter within half of `cpu_group_timeout` ends every rank's loop with a
+        `TensorParallelError` saying so (cbcore/distributed/pause.py), rather than leave the others waiting."""
         self._refuse_if_destroyed("pause")
         if not self.is_running():
             raise RuntimeError("Cannot pause generation while no generation loop is running.")
@@ -79,20 +87,31 @@ class GenerationLoop:
                 self._pause_cond.notify_all()
 
     def _run_generation_loop(self, use_inference_mode: bool, num_threads: int) -> None:
+        group = self._tensor_parallel
+        if group is not None and not group.is_driver:  # another rank of a tensor-parallel group: the driver's steps
+            from ..distributed.follower import run_follower_loop
+
+            return run_follower_loop(self, use_inference_mode, num_threads)
+        link = group.driver_link if group is not None else None
         # The caller's torch thread count, set explicitly in this thread, so the loop runs with the caller's choice
         # rather than whatever OpenMP gives a new thread. (Some runs here measured torch ops 20-35% slower in a new
         # thread without it; bench/test_bench_linear.py::test_threads tracks it, and it does not always reproduce.)
         torch.set_num_threads(num_threads)
         engine = self.engine
         self._steps_at_start = engine.counters["steps"]
+        failure: BaseException | None = None
         try:
             with torch.inference_mode(use_inference_mode):
                 engine.notice_weight_changes()  # since the last session of a kept manager
+                if link is not None:
+                    link.start_session(engine)
                 while True:
                     if self._park_while_paused():
                         engine.notice_weight_changes()  # weights change only inside a pause (or between sessions)
                     self._take_new_requests()
                     self._apply_cancellations()
+                    if link is not None and link.hard_stop_requested_by:
+                        self._hard_stop_asked_elsewhere(link.hard_stop_requested_by)
                     if self._stop_mode == StopMode.HARD:
                         self._end_all("the manager was stopped with hard_stop=True before this request finished")
                         break
@@ -102,9 +121,14 @@ class GenerationLoop:
                             break
                         self._wake_up_loop.wait(timeout=0.1)
                         self._wake_up_loop.clear()
+                        if link is not None:
+                            link.heartbeat_if_due()
                         continue
                     self._deliver(engine.step())
+                    if link is not None:  # a step that ran no forward sent nothing
+                        link.heartbeat_if_due()
         except BaseException as error:  # noqa: BLE001 - the loop must report, not vanish
+            failure = error
             logger.exception("cbcore generation loop crashed")
             with self._requests.lock:
                 self.background_thread_status.fatal_error = error
@@ -117,6 +141,8 @@ class GenerationLoop:
             except BaseException:  # noqa: BLE001 - still hand the model back and wake every waiter below
                 logger.exception("cbcore: failing the pending requests after a crash failed")
         finally:
+            if link is not None:  # every other rank's loop ends with this one (and with its error)
+                link.end_session(failure)
             # Only now, with no step in flight, may the model be handed back (stop(block=False) returns earlier).
             self._restore_attn()
             if self._destroyed:  # destroyed while it finished (after stop(block=False))
@@ -125,8 +151,19 @@ class GenerationLoop:
                 self._pause_cond.notify_all()
             self.output_router.wake_all()
 
+    def _hard_stop_asked_elsewhere(self, ranks: list[int]) -> None:
+        """stop(hard_stop=True) on another tensor-parallel rank stops the whole group at once."""
+        with self._requests.lock:
+            if self._requests.closed_reason is None:
+                self._requests.closed_reason = f"stop(hard_stop=True) was called on tensor-parallel rank(s) {ranks}"
+            self._stop_mode = StopMode.HARD
+
     def _park_while_paused(self) -> bool:
-        """Between two steps: while anyone holds the pause, stay parked (and say so). Whether it parked."""
+        """Between two steps: while anyone holds the pause, stay parked (and say so). Whether it parked. On a
+        tensor-parallel driver the pause is the group's (cbcore/distributed/pause.py)."""
+        group = self._tensor_parallel
+        if group is not None:
+            return group.driver_link.pause_window(self, self.engine)
         with self._pause_cond:
             if not self._pause_holders:
                 return False

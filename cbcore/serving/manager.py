@@ -16,6 +16,10 @@ Lifecycle, and who may touch the model when:
 | the loop ended (stopped, or died) | handed back by the loop itself as it exits | raises RuntimeError (until `start()`) |
 | `destroy()` | handed back | raises RuntimeError (for good) |
 
+Under tensor parallelism (a model transformers sharded over several ranks, cbcore/distributed/) one manager runs
+on every rank, each built and started on every rank at once; the driver's (rank 0) takes the requests and delivers
+the outputs, the others run its steps on their shard.
+
 Mirrors transformers 5.24's `ContinuousBatchingManager` (same constructor, methods, argument names and defaults);
 the differences are listed in the README and DESIGN.md §7.
 """
@@ -36,6 +40,7 @@ from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from ..cache import PagedKVCache
 from ..config import ContinuousBatchingConfig, as_cbcore_config
+from ..distributed import join_group
 from ..engine import EngineCore
 from ..model_support import check_model_supported, self_check, self_check_enabled
 from ..outputs import OutputRouter
@@ -118,6 +123,12 @@ class ContinuousBatchingManager(RequestSubmission, GenerationLoop):
         # manager that is built but never started leaves the model untouched (transformers switches it in __init__).
         self._use_prefix_sharing = self.continuous_batching_config.allow_block_sharing
 
+        # Tensor parallelism (cbcore/distributed/): a model transformers sharded over a group of ranks gets one
+        # manager per rank, built on every rank at once (joining creates the group's CPU channel). The driver (rank
+        # 0) takes requests and delivers outputs; the other ranks run what it sends (transformers' `is_tp_driver`).
+        self._tensor_parallel = join_group(self.model, self.continuous_batching_config.cpu_group_timeout)
+        self.is_tp_driver = self._tensor_parallel is None or self._tensor_parallel.is_driver
+
     # ------------------------------------------------------------------------------------------------ set-up ----
 
     def switch_to_cb_friendly_attn(self, model: torch.nn.Module, auto_switch_to_flash: bool = True) -> None:
@@ -164,6 +175,7 @@ class ContinuousBatchingManager(RequestSubmission, GenerationLoop):
             self.model, self._prepared_generation_config, self.continuous_batching_config, self.workload_hints,
             self.logit_processor,
             do_sample=bool(self.generation_config.do_sample),  # read now, as transformers does
+            tensor_parallel=self._tensor_parallel,
         )
         self._engine_needs_rebuild = False
 
@@ -212,6 +224,11 @@ class ContinuousBatchingManager(RequestSubmission, GenerationLoop):
         if self.is_running():
             logger.warning("Manager thread is already running.")
             return
+        if self._tensor_parallel is not None and self._tensor_parallel.broken is not None:
+            raise RuntimeError(
+                f"cannot start: this manager's tensor-parallel group failed ({self._tensor_parallel.broken}); its "
+                "ranks no longer agree on what they ran, so restart every process of the group"
+            )
         try:
             check_model_supported(self.model)  # before the model is touched or the engine built
             if self.engine is None or self._engine_needs_rebuild:
@@ -251,7 +268,11 @@ class ContinuousBatchingManager(RequestSubmission, GenerationLoop):
         The model gets its own attention and linear layers back when the loop has ended, from the loop itself: with
         `block=True` and no timeout, before this returns; with `block=False` (or a timeout that expires first), later,
         while the loop finishes what it serves (the requests in flight keep cbcore's attention to the end, so their
-        tokens stay exact). `join()` waits for that moment."""
+        tokens stay exact). `join()` waits for that moment.
+
+        Under tensor parallelism the driver decides when the group's work is done: on another rank `stop()` waits for
+        the driver's loop to end (which ends this rank's), while `stop(hard_stop=True)` on any rank stops the whole
+        group at once."""
         if self._generation_thread is None:
             logger.warning("Manager not started.")
             return
@@ -303,16 +324,22 @@ class ContinuousBatchingManager(RequestSubmission, GenerationLoop):
         self._release()
 
     def _release(self) -> None:
-        """Hand the model back and drop the engine, its cache with it."""
+        """Hand the model back and drop the engine, its cache with it (and a tensor-parallel group's CPU channel:
+        only `destroy()` releases)."""
         self._restore_attn()
         self.engine = None
+        if self._tensor_parallel is not None:
+            self._tensor_parallel.destroy()
 
     # --------------------------------------------------------------------------------------------- results ----
 
     def register_result_handler(self, request_id: str, callback: Callable[[GenerationOutput], Any]) -> None:
         """Deliver this request's outputs (every snapshot when streaming, else the final one) by calling
         `callback(output)` on the running asyncio loop, through `call_soon_threadsafe`. Must be called from inside
-        that loop. The handler is removed after the terminal output."""
+        that loop. The handler is removed after the terminal output. Outputs exist on the tensor-parallel driver
+        only: on another rank nothing is registered (no output would ever call it)."""
+        if not self.is_tp_driver:
+            return
         loop = asyncio.get_running_loop()
         self.output_router.register_handler(request_id, callback, loop)
 

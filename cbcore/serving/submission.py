@@ -53,7 +53,12 @@ class RequestSubmission:
         Problems of the prompt itself (empty, ids outside the vocabulary, longer than the cache or the model's
         position table) end this request alone with a FAILED output naming it, so one bad prompt of a batch does not
         stop the others. Raises `queue.Full` when `max_queue_size` is reached and no slot frees up within 10 s (as
-        transformers does)."""
+        transformers does).
+
+        Under tensor parallelism only the driver (rank 0) takes requests: on another rank this returns None and
+        queues nothing, as in transformers (the driver's requests run on every rank)."""
+        if not self.is_tp_driver:
+            return None
         request_id = request_inputs.request_id(request_id)
         label = f"request {request_id}" if request_id is not None else "add_request"
         state = self._new_state(
@@ -78,11 +83,13 @@ class RequestSubmission:
         streaming: bool = False,
         record_timestamps: bool = False,
         **logit_processor_kwargs: Any,
-    ) -> list[str]:
+    ) -> list[str] | None:
         """Queue several requests; returns their ids in input order. Every argument is checked before any request is
         queued (errors name the prompt's index); `inputs` may be a list of prompts or a 2-D integer tensor / array.
         With prefix sharing, they are queued sorted by content (as transformers does) so that requests sharing a
-        prefix run one after another."""
+        prefix run one after another. On a tensor-parallel rank other than the driver: None, nothing queued."""
+        if not self.is_tp_driver:
+            return None
         prompts = request_inputs.batch_of_token_ids(inputs)
         max_new_tokens = request_inputs.max_new_tokens(max_new_tokens, "add_requests: max_new_tokens")
         kwargs = self._checked_processor_kwargs(logit_processor_kwargs, "add_requests")
@@ -110,7 +117,10 @@ class RequestSubmission:
     def cancel_request(self, request_id: str) -> None:
         """Cancel a request, whether it is queued, waiting or running (a child `req_<n>__child#<i>` too, before or
         after its fork): its blocks are freed and it ends with one CANCELLED output (transformers sends none).
-        Cancelling an id that already ended, or never existed, does nothing."""
+        Cancelling an id that already ended, or never existed, does nothing; so does any cancel on a tensor-parallel
+        rank other than the driver (the requests are the driver's)."""
+        if not self.is_tp_driver:
+            return
         with self._requests.lock:
             marked = self._requests.mark_cancelled_if_queued(request_id)
         if not marked:

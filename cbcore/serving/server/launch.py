@@ -8,6 +8,9 @@ sampling settings, if any, are not applied (OpenAI's defaults are). Greedy reque
 Shutdown: uvicorn handles SIGINT / SIGTERM (stops accepting, waits up to `--shutdown-timeout` for the requests in
 flight, cancels what is left); then the manager is stopped, hard if anything still runs, and the exit status is 0.
 If the engine loop dies, requests are answered 503, uvicorn is asked to exit, and the exit status is 1.
+
+Under `torchrun --nproc-per-node N` (tensor parallelism) every rank loads its shard and builds the manager; the
+server runs on the driver (rank 0) only, and the other ranks run its steps until it stops.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ def serve(args: argparse.Namespace, stderr: TextIO) -> int:
 
     from cbcore.cli import UsageError
     from cbcore.default_model import DEFAULT_MODEL_NAME, ModelLoadError, load_model_and_tokenizer
+    from cbcore.distributed.launch import serve_follower, tensor_parallel_load_kwargs, torchrun_world_size
 
     from .app import ServerState, create_app
 
@@ -72,7 +76,9 @@ def serve(args: argparse.Namespace, stderr: TextIO) -> int:
     hf_logging.disable_progress_bar()
     started = time.perf_counter()
     try:
-        model, tokenizer = load_model_and_tokenizer(args.model, dtype=args.dtype, device=device)
+        # Under torchrun every rank loads its shard of the model (cbcore/distributed/launch.py).
+        sharding = tensor_parallel_load_kwargs(args.device) if torchrun_world_size() > 1 else None
+        model, tokenizer = load_model_and_tokenizer(args.model, dtype=args.dtype, device=device, sharding=sharding)
     except (ModelLoadError, OSError, ValueError) as error:
         raise UsageError(f"cannot load the model: {error}") from error
     if tokenizer is None:
@@ -87,6 +93,8 @@ def serve(args: argparse.Namespace, stderr: TextIO) -> int:
         manager.start()
     except (ValueError, NotImplementedError, RuntimeError) as error:
         raise UsageError(f"cannot serve this model: {error}") from error
+    if not manager.is_tp_driver:
+        return serve_follower(manager)  # the HTTP server is the driver's; this rank runs its steps
     if manager.compile_seconds:
         print(f"cbcore serve: compiled the step in {manager.compile_seconds:.1f} s", file=stderr, flush=True)
     exit_code = EXIT_OK
