@@ -364,8 +364,22 @@ class EngineCore:
 
     # ---- weights and inspection --------------------------------------------------------------------------------
 
-        self.runner = make_runner(tensor_parallel, model, self.cache, sampler,
-                                  resolve_compile_configs(cb_config, generation_config))
+    def compile_ahead(self) -> float:
+        """Compile the step's forward for every shape a step needs (cbcore/compiled_step.py), with the model bound
+        as it is while serving; returns the seconds it took (0.0 when nothing is compiled; milliseconds when the
+        graphs exist and are still valid)."""
+        forward = self.runner.step_forward
+        if not forward.compiled:
+            return 0.0
+        was_attached = self.binding.attached
+        self.binding.attach()
+        try:
+            return forward.warmup(self._vocab_size).total_seconds
+        finally:
+            if not was_attached:
+                self.binding.detach()
+
+    def notice_weight_changes(self, changed_elsewhere: bool = False) -> bool:
         """If any parameter changed in place since the last look (an update inside `pause()`, an optimizer step
         between two sessions of a kept manager), K/V cached for the old weights must not be shared with new
         requests, so the prefix cache is invalidated. Weights can change only while the loop is parked or stopped,
