@@ -150,7 +150,9 @@ def run_generate_batch(model, workload: Workload, gen: GenerationConfig, cb_conf
     times = [[s - t0 for s in (o.timestamps or [])] for o in ordered]
     # Every generated token but the last is fed back once as a one-token decode query; the rest is prefill.
     decode_queries = sum(max(len(t) - 1, 0) for t in tokens)
-    return {"tokens": tokens, "token_times": times, "wall_s": wall, "prefilled_tokens": counter.tokens - decode_queries}
+    # The counter is a forward hook, which a compiled step's graph does not run: -1 says "not counted".
+    prefilled = counter.tokens - decode_queries if counter.tokens else -1
+    return {"tokens": tokens, "token_times": times, "wall_s": wall, "prefilled_tokens": prefilled}
 
 
 def run_peer(spec: dict[str, Any]) -> dict[str, Any]:

@@ -182,7 +182,8 @@ def format_table(record: dict) -> str:
         lines.append(
             f"| {label} | {_spread(p, 'tok_per_s', '{:.0f}')} | {_spread(p, 'wall_s', '{:.1f}')}"
             f" | {_ms(p['ttft_median_s'])} / {_ms(p['ttft_p90_s'])} | {_ms(p['itl_median_s'])} / {_ms(p['itl_p90_s'])}"
-            f" | {p['peak_rss_mib']:.0f} | {p['prefilled_tokens']} | {agree} |"
+            f" | {p['peak_rss_mib']:.0f} | {p['prefilled_tokens'] if p['prefilled_tokens'] >= 0 else 'not counted'}"
+            f" | {agree} |"
         )
     notes = []
     if settings.get("repeat", 1) > 1:

@@ -203,8 +203,23 @@ class ContinuousBatchingManager(RequestSubmission, GenerationLoop):
         check_model_supported(self.model)  # a model cbcore cannot serve exactly is refused before anything is built
         if self.engine is None or self._engine_needs_rebuild:
             self._build_engine()
-        self.compile_seconds += self.engine.compile_ahead()
+        self._compile_ahead()
         self.warmed_up = True
+
+    def _compile_ahead(self) -> None:
+        """Compile the step ahead (when it is compiled), after the start-up self-check: a model the self-check
+        refuses gets its clear error, not a compiler's error from tracing the same forward."""
+        if not self.engine.runner.step_forward.compiled:
+            return
+        if self_check_enabled():
+            was_attached = self.engine.binding.attached
+            self.engine.binding.attach()
+            try:
+                self_check(self.model, self._original_attn_impl)
+            finally:
+                if not was_attached:
+                    self.engine.binding.detach()
+        self.compile_seconds += self.engine.compile_ahead()
 
     # ------------------------------------------------------------------------------------------- lifecycle ----
 
@@ -234,9 +249,9 @@ class ContinuousBatchingManager(RequestSubmission, GenerationLoop):
             if self.engine is None or self._engine_needs_rebuild:
                 self._build_engine()
             self._attach_to_model()
-            self.compile_seconds += self.engine.compile_ahead()
             if self_check_enabled():  # cbcore's paged path against the model's own forward, before any request
                 self_check(self.model, self._original_attn_impl)
+            self._compile_ahead()
         except BaseException:
             self._restore_attn()
             raise
