@@ -77,6 +77,7 @@ class _PackedWeight:
 
     @property
     def out_features(self) -> int:
+        """The columns of the packed matmul: every module's outputs, in order."""
         return sum(module.out_features for module in self.modules)
 
     def stale(self) -> bool:
@@ -85,6 +86,7 @@ class _PackedWeight:
                    for module, (source, version) in zip(self.modules, self.sources))
 
     def pack(self) -> None:
+        """Reorder the modules' current weights (concatenated) into oneDNN's layout, and remember what they were."""
         with torch.no_grad():
             weights = [module.weight.detach() for module in self.modules]
             self.weight = torch.ops.mkldnn._reorder_linear_weight(
