@@ -191,3 +191,32 @@ def test_an_explicit_fullgraph_config_with_a_mode_and_options_compiles() -> None
     assert manager.compile_seconds > 0
     assert [o.generated_tokens for o in outputs.values()] == [reference_tokens(model, p, greedy_config(6))
                                                             for p in prompts]
+
+
+def test_a_decoder_computing_its_own_positions_compiles_once(monkeypatch) -> None:
+    """BART-family decoders take no position_ids (cbcore/positions.py hands their positional embeddings the step's
+    positions): compiled, they must get them as a graph input, not recompile for each step's metadata."""
+    from tests.architecture_sweep import build_model
+
+    model = build_model("bart")
+    expected = [reference_tokens(model, p, greedy_config(MAX_NEW_TOKENS)) for p in workload()]
+    tokens, _, breaks, new_graphs, callers = serve_compiled(model, 1, monkeypatch)
+    assert tokens == expected
+    assert breaks == 0 and new_graphs == 0, "the compiled step recompiled after warm-up"
+    assert callers and all(c.endswith("custom_ops.py") for c in callers)
+
+
+def test_a_model_the_self_check_refuses_is_refused_before_compiling() -> None:
+    """X-MOD's forward needs a language set; the start-up self-check refuses it with its reason, and warm-up runs the
+    check before compiling, so the user gets that refusal rather than an error from tracing the same forward."""
+    from cbcore.model_support import UnsupportedModelError
+    from tests.architecture_sweep import build_model
+
+    model = build_model("xmod")
+    compile_config = CompileConfig(mode="default", fullgraph=True, dynamic=True)
+    config = cbcore.ContinuousBatchingConfig(varlen_compile_config=compile_config,
+                                             decode_compile_config=compile_config, page_size=4)
+    manager = cbcore.ContinuousBatchingManager(model, greedy_config(4), config)
+    with pytest.raises(UnsupportedModelError, match="self-check"):
+        manager.warmup()
+    manager.destroy()
