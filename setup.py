@@ -54,11 +54,14 @@ def relative_sources(*patterns: str) -> list[str]:
 
 
 def cpp_extensions() -> list:
-    """`cbcore._C`: the allocator, the CPU attention kernels and the Python bindings; built on every machine."""
+    """`cbcore._C`: the allocator, the CPU attention kernels, the swap pool, the OpenMP team release and the Python
+    bindings; built on every machine."""
     return [
         cpp_extension.CppExtension(
             name="cbcore._C",
-            sources=relative_sources("bindings.cpp", "allocator/*.cpp", "attention/cpu_*.cpp", "swap/swap.cpp"),
+            sources=relative_sources(
+                "bindings.cpp", "allocator/*.cpp", "attention/cpu_*.cpp", "swap/swap.cpp", "runtime/*.cpp"
+            ),
             include_dirs=[str(CSRC)],
             extra_compile_args={"cxx": CXX_FLAGS + openmp_flags()},
             extra_link_args=openmp_flags(),

@@ -43,6 +43,7 @@ from ..config import ContinuousBatchingConfig, as_cbcore_config
 from ..distributed import join_group
 from ..engine import EngineCore
 from ..model_support import check_model_supported, self_check, self_check_enabled
+from ..openmp_team import release_caller_openmp_team
 from ..outputs import OutputRouter
 from ..requests import GenerationOutput, RequestState
 from ..runner import ModelRunner
@@ -263,6 +264,9 @@ class ContinuousBatchingManager(RequestSubmission, GenerationLoop):
             self._loop_parked = False
         use_inference_mode = torch.is_inference_mode_enabled()
         loop_kwargs = {"use_inference_mode": use_inference_mode, "num_threads": torch.get_num_threads()}
+        # The loop thread gets its own OpenMP team; the caller's idle one (the self-check above ran parallel ops)
+        # would make libgomp wake the loop's workers the slow way in every parallel region (cbcore/openmp_team.py).
+        release_caller_openmp_team()
         self._generation_thread = threading.Thread(
             target=self._run_generation_loop, name="cbcore-loop", kwargs=loop_kwargs, daemon=True
         )
