@@ -54,13 +54,13 @@ def relative_sources(*patterns: str) -> list[str]:
 
 
 def cpp_extensions() -> list:
-    """`cbcore._C`: the allocator, the CPU attention kernels, the swap pool, the OpenMP team release and the Python
+    """`cbcore._C`: the allocator, the CPU attention kernels, the packed linears, the swap pool, the OpenMP team release and the Python
     bindings; built on every machine."""
     return [
         cpp_extension.CppExtension(
             name="cbcore._C",
             sources=relative_sources(
-                "bindings.cpp", "allocator/*.cpp", "attention/cpu_*.cpp", "swap/swap.cpp", "runtime/*.cpp"
+                "bindings.cpp", "allocator/*.cpp", "attention/cpu_*.cpp", "swap/swap.cpp", "linear/*.cpp", "runtime/*.cpp"
             ),
             include_dirs=[str(CSRC)],
             extra_compile_args={"cxx": CXX_FLAGS + openmp_flags()},

@@ -19,14 +19,17 @@ member takes its columns; a member called with another tensor computes the group
 not call them on one input stays exact, only slower. `detach()` removes the instance `forward` and frees the packed
 copies.
 
-The matmul is the custom op `torch.ops.cbcore.packed_linear(x, handle)`: opaque to `torch.compile` (inductor cannot
-take a packed oneDNN weight as a graph input), with the packed weight looked up by an integer handle when it runs.
-Each module's group and handle are kept across attach and detach, so a compiled step stays valid across
-`generate_batch` calls (nothing it guards on changes).
+The matmul is the C++ op `torch.ops.cbcore.packed_linear(x, handle)` (csrc/linear/packed_linear.cpp), in the eager
+step as in the compiled one: opaque to `torch.compile` (inductor cannot take a packed oneDNN weight as a graph input),
+with the packed weight looked up by an integer handle when it runs, and in C++ because a Python custom op cost ~35 us
+a call, a third of a small decode matmul. Each module's group and handle are kept across attach and detach, so a
+compiled step stays valid across `generate_batch` calls (nothing it guards on changes).
 
-Weights changed in place (an optimizer step between two `generate_batch` calls, or inside `manager.pause()`) or
-replaced are seen: each packed weight remembers its source tensors and their `_version` counters and is reordered
-again when one moved. Memory: the packed copy costs one more copy of the linear weights while a manager runs.
+Weights changed in place (an optimizer step between two `generate_batch` calls, or inside `manager.pause()`) are seen
+by the op: it keeps the source tensors with their `_version` counters and reorders again when one moved. Weights
+replaced by other tensors are seen when the engine looks for weight changes (when its loop starts and when a pause is
+released: `PackedLinears.refresh`). Memory: the packed copy costs one more copy of the linear weights while a manager
+runs.
 
 Numerics: oneDNN sums in a different order than MKL, as any change of batch shape already does; greedy parity with
 `model.generate` is tested with it on. `CBCORE_PACKED_LINEAR=0` turns packing off (read at attach), and
@@ -56,9 +59,19 @@ _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 MERGE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
 
 
+def _extension():
+    """cbcore._C when it carries the packed linear op (a stale build may not), else None."""
+    try:
+        from . import _C
+    except ImportError:
+        return None
+    return _C if hasattr(_C, "register_packed_linear") else None
+
+
 def packing_available() -> bool:
-    """Whether this torch build has the oneDNN ops the packed path uses."""
-    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    """Whether this torch build has the oneDNN ops the packed path uses, and cbcore._C the op that runs them."""
+    return (bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and _extension() is not None)
 
 
 def packing_enabled() -> bool:
@@ -68,58 +81,53 @@ def packing_enabled() -> bool:
 
 @dataclass
 class _PackedWeight:
-    """One packed matmul: the concatenated weight of its modules in oneDNN's layout, and what it was packed from."""
+    """One packed matmul, registered with the C++ op under `handle`: the concatenated weight (and bias) of its
+    modules, packed from the tensors the modules held then (`sources`)."""
 
+    handle: int
     modules: list[torch.nn.Linear]
-    weight: torch.Tensor | None = None  # oneDNN blocked layout
-    bias: torch.Tensor | None = None
-    sources: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (weight, its _version) per module
+    sources: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)  # (weight, bias) per module
 
     @property
     def out_features(self) -> int:
         """The columns of the packed matmul: every module's outputs, in order."""
         return sum(module.out_features for module in self.modules)
 
-    def stale(self) -> bool:
-        """Whether a module's weight was replaced or changed in place since packing."""
-        return any(module.weight is not source or module.weight._version != version
-                   for module, (source, version) in zip(self.modules, self.sources))
+    def replaced(self) -> bool:
+        """Whether a module's weight or bias is another tensor than the one packed (changes made in place are seen
+        by the op itself, through the tensors' version counters)."""
+        return any(module.weight is not weight or module.bias is not bias
+                   for module, (weight, bias) in zip(self.modules, self.sources))
 
     def pack(self) -> None:
-        """Reorder the modules' current weights (concatenated) into oneDNN's layout, and remember what they were."""
-        with torch.no_grad():
-            weights = [module.weight.detach() for module in self.modules]
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(
-                weights[0] if len(weights) == 1 else torch.cat(weights), None)
-            biases = [module.bias for module in self.modules]
-            self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-            self.sources = [(module.weight, module.weight._version) for module in self.modules]
+        """Register the modules' current weights (concatenated) with the C++ op, which reorders them into oneDNN's
+        layout and keeps them to notice in-place changes."""
+        self.sources = [(module.weight, module.bias) for module in self.modules]
+        weights = [module.weight.detach() for module in self.modules]
+        biases = [] if self.modules[0].bias is None else [module.bias.detach() for module in self.modules]
+        _extension().register_packed_linear(self.handle, weights, biases)
+
+    def drop(self) -> None:
+        """Release the packed copy (and the op's references to the sources)."""
+        _extension().drop_packed_linear(self.handle)
 
 
-# handle -> packed weight, while attached; the custom op looks its weight up here when it runs.
+# handle -> packed weight, while attached (the fake implementation reads its output size here).
 _PACKED: dict[int, _PackedWeight] = {}
 _handles = itertools.count()
 
 
 def _packed_matmul(x: torch.Tensor, handle: int) -> torch.Tensor:
-    """`x @ W.T + b` for the packed weight `handle` (one module's, or a merge group's concatenation); x `[..., in]`."""
-    packed = _PACKED[handle]
-    if packed.stale():  # updated in place (or replaced) since it was packed
-        packed.pack()
-    rows = x.reshape(-1, x.shape[-1])
-    out = torch.ops.mkldnn._linear_pointwise(rows, packed.weight, packed.bias, "none", [], "")
-    return out.view(*x.shape[:-1], out.shape[-1])
+    """`x @ W.T + b` for the packed weight `handle` (one module's, or a merge group's concatenation); x `[..., in]`.
+    The C++ op `torch.ops.cbcore.packed_linear` (csrc/linear/packed_linear.cpp), in the eager step as in the compiled
+    one, where it is an opaque node."""
+    return torch.ops.cbcore.packed_linear(x, handle)
 
 
-@torch.library.custom_op("cbcore::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
-    """`_packed_matmul` as a custom op, for the compiled step (the eager step calls it directly: no dispatch)."""
-    return _packed_matmul(x, handle)
-
-
-@packed_linear.register_fake
-def _(x, handle):
-    return x.new_empty(*x.shape[:-1], _PACKED[handle].out_features)
+if _extension() is not None:
+    @torch.library.register_fake("cbcore::packed_linear")
+    def _(x, handle):
+        return x.new_empty(*x.shape[:-1], _PACKED[handle].out_features)
 
 
 class _Group:
@@ -159,11 +167,10 @@ def _packed_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return type(module).forward(module, x)
     member: _Member = module._cbcore_member
     group = member.group
-    matmul = packed_linear if torch.compiler.is_compiling() else _packed_matmul
     if group.size == 1:
-        return matmul(x, group.handle)
+        return _packed_matmul(x, group.handle)
     if group.input is not x:
-        group.input, group.output, group.left = x, matmul(x, group.handle), group.size
+        group.input, group.output, group.left = x, _packed_matmul(x, group.handle), group.size
     out = group.output[..., member.start:member.end]
     group.left -= 1
     if group.left <= 0:  # every member took its columns: let the tensors go
@@ -219,7 +226,7 @@ class PackedLinears:
         try:
             for modules in _merge_groups(model, candidates):
                 group = cls._group_of(modules)
-                packed = _PackedWeight(modules)
+                packed = _PackedWeight(group.handle, modules)
                 packed.pack()
                 _PACKED[group.handle] = packed
                 for module in modules:
@@ -254,6 +261,17 @@ class PackedLinears:
             module.__dict__.pop(MEMBER_ATTR, None)
             member = _members.get(module)
             if member is not None:
-                _PACKED.pop(member.group.handle, None)
+                packed = _PACKED.pop(member.group.handle, None)
+                if packed is not None:
+                    packed.drop()
                 member.group.input = member.group.output = None
         self.modules = []
+
+    def refresh(self) -> int:
+        """Pack again every weight whose module now holds another tensor (a parameter replaced inside `pause()`);
+        changes made in place are repacked by the op on its next call. Returns how many were packed again."""
+        handles = {_members[module].group.handle for module in self.modules}
+        stale = [_PACKED[handle] for handle in handles if handle in _PACKED and _PACKED[handle].replaced()]
+        for packed in stale:
+            packed.pack()
+        return len(stale)

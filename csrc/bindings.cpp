@@ -18,6 +18,7 @@
 
 #include "allocator/block_allocator.h"
 #include "attention/cpu_attention_bindings.h"
+#include "linear/packed_linear.h"
 #include "runtime/openmp_team.h"
 #include "swap/swap.h"
 
@@ -179,9 +180,10 @@ Bad arguments raise ValueError and change nothing; running out of blocks raises 
 }  // namespace cbcore
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "cbcore's C++ extension: the KV-cache block allocator, the CPU attention kernels, the swap pool and the OpenMP team release.";
+  m.doc() = "cbcore's C++ extension: the KV-cache block allocator, the CPU attention kernels, the packed linears, the swap pool and the OpenMP team release.";
   cbcore::bind_block_allocator(m);
   cbcore::register_cpu_attention_bindings(m);
   cbcore::register_swap_bindings(m);
+  cbcore::register_packed_linear_bindings(m);
   cbcore::register_runtime_bindings(m);
 }

@@ -55,8 +55,11 @@ def test_manager_packs_at_start_and_restores_at_stop() -> None:
         assert torch.equal(model(prompt).logits, during)
 
 
-def test_weights_changed_in_place_during_a_pause_are_repacked() -> None:
-    model = copy.deepcopy(tiny_model("qwen2"))
+@pytest.mark.parametrize("how", ["in_place", "replaced"])
+def test_weights_changed_during_a_pause_are_repacked(how) -> None:
+    """In place (the op sees the version counters move) or replaced by new parameters, weights and biases (the engine
+    notices when the pause is released and packs them again)."""
+    model = copy.deepcopy(tiny_model("qwen2"))  # q/k/v have biases: merged, with a concatenated bias
     prompts = random_prompts([7, 12], seed=5)
     # Fresh prompts after the update: K/V cached for the old weights would be reused by a prefix hit.
     new_prompts = random_prompts([9, 14], seed=6)
@@ -66,7 +69,14 @@ def test_weights_changed_in_place_during_a_pause_are_repacked() -> None:
         collect_outputs(manager, manager.add_requests(prompts))
         with manager.pause(), torch.no_grad():
             for module in _linears(model):
-                module.weight.mul_(-1.5)  # in place, as an optimizer step would
+                if how == "in_place":  # as an optimizer step would
+                    module.weight.mul_(-1.5)
+                    if module.bias is not None:
+                        module.bias.add_(0.5)
+                else:  # as loading another checkpoint into the modules would
+                    module.weight = torch.nn.Parameter(module.weight * -1.5)
+                    if module.bias is not None:
+                        module.bias = torch.nn.Parameter(module.bias + 0.5)
         request_ids = manager.add_requests(new_prompts)
         outputs = collect_outputs(manager, request_ids)
     finally:

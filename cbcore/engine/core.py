@@ -388,6 +388,8 @@ class EngineCore:
         Returns whether this process's parameters changed."""
         signature = hash(tuple((id(p), p._version) for p in self.model.parameters()))
         changed = self._weights_signature is not None and signature != self._weights_signature
+        if changed:
+            self.binding.notice_replaced_weights()
         if changed or changed_elsewhere:
             dropped = self.cache.invalidate_prefixes()
             logger.info(f"cbcore: the model's weights changed; {dropped} cached prefix blocks will not be shared")

@@ -52,6 +52,13 @@ class ModelBinding:
                 self._step_positions = StepPositions.attach(self.model, language_root(self.model))
             self.attached = True
 
+    def notice_replaced_weights(self) -> None:
+        """Pack again the linear weights that were replaced by other tensors (a new `nn.Parameter` set inside
+        `pause()`); weights changed in place are repacked by the packed op itself."""
+        with self._lock:
+            if self._packed_linears is not None:
+                self._packed_linears.refresh()
+
     def detach(self) -> None:
         """Give the model back its own attention implementation, linear layers and positional embeddings."""
         with self._lock:

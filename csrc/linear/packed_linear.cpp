@@ -1,0 +1,133 @@
+// torch.ops.cbcore.packed_linear(x, handle): x @ W.T + b for a weight reordered once into oneDNN's blocked layout,
+// looked up by an integer handle (cbcore/linear.py says why: inductor takes no packed oneDNN weight as a graph
+// input, so the compiled step passes a handle). A C++ kernel rather than a Python custom op: the dispatcher calls it
+// directly, where a Python custom op cost ~35 us a call (a third of a small decode matmul's time).
+//
+// Each handle holds its source weights (one, or a merge group's siblings, concatenated in order) and biases with the
+// version counters they had when packed: a source changed in place (an optimizer step inside pause()) is seen here,
+// on the call, and the packed copy is rebuilt. A source replaced by another tensor is not visible from here; the
+// Python side registers the handle again when it notices (PackedLinears.refresh).
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
+
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "linear/packed_linear.h"
+
+namespace cbcore {
+namespace {
+
+struct PackedLinear {
+  std::vector<at::Tensor> weights;  // the sources, [out_i, in] each
+  std::vector<at::Tensor> biases;   // [out_i] each, or empty
+  std::vector<int64_t> versions;    // of weights then biases, when packed
+  at::Tensor packed_weight;         // oneDNN's layout of cat(weights)
+  std::optional<at::Tensor> packed_bias;
+  int64_t in_features = 0;
+  int64_t out_features = 0;
+
+  std::vector<int64_t> current_versions() const {
+    std::vector<int64_t> now;
+    now.reserve(weights.size() + biases.size());
+    for (const auto& w : weights) now.push_back(static_cast<int64_t>(w._version()));
+    for (const auto& b : biases) now.push_back(static_cast<int64_t>(b._version()));
+    return now;
+  }
+
+  void pack() {
+    static auto reorder = c10::Dispatcher::singleton()
+                              .findSchemaOrThrow("mkldnn::_reorder_linear_weight", "")
+                              .typed<at::Tensor(const at::Tensor&, std::optional<c10::SymInt>)>();
+    at::NoGradGuard no_grad;
+    const at::Tensor weight = weights.size() == 1 ? weights[0].detach() : at::cat(weights).detach();
+    packed_weight = reorder.call(weight, std::nullopt);
+    packed_bias = biases.empty() ? std::nullopt
+                                 : std::optional<at::Tensor>(biases.size() == 1 ? biases[0].detach()
+                                                                                : at::cat(biases).detach());
+    versions = current_versions();
+  }
+};
+
+std::mutex registry_mutex;
+std::unordered_map<int64_t, std::shared_ptr<PackedLinear>> registry;
+
+std::shared_ptr<PackedLinear> find(int64_t handle) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  const auto it = registry.find(handle);
+  TORCH_CHECK_VALUE(it != registry.end(), "cbcore.packed_linear: no packed weight has handle ", handle,
+                    " (the model's linear layers are not attached to a cbcore engine)");
+  return it->second;
+}
+
+at::Tensor packed_linear(const at::Tensor& x, int64_t handle) {
+  static auto linear = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                             c10::string_view, c10::List<std::optional<c10::Scalar>>,
+                                             std::optional<c10::string_view>)>();
+  const std::shared_ptr<PackedLinear> entry = find(handle);
+  TORCH_CHECK_VALUE(x.size(-1) == entry->in_features, "cbcore.packed_linear: input has ", x.size(-1),
+                    " features, the packed weight ", handle, " takes ", entry->in_features);
+  if (entry->current_versions() != entry->versions) {  // a source changed in place since it was packed
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    if (entry->current_versions() != entry->versions) entry->pack();
+  }
+  const at::Tensor rows = x.reshape({-1, entry->in_features});
+  static const c10::List<std::optional<c10::Scalar>> no_scalars;
+  const at::Tensor out = linear.call(rows, entry->packed_weight, entry->packed_bias, "none", no_scalars, std::nullopt);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = entry->out_features;
+  return out.view(shape);
+}
+
+void register_packed_linear(int64_t handle, std::vector<at::Tensor> weights, std::vector<at::Tensor> biases) {
+  TORCH_CHECK_VALUE(!weights.empty(), "register_packed_linear: no weight");
+  TORCH_CHECK_VALUE(biases.empty() || biases.size() == weights.size(),
+                    "register_packed_linear: give a bias for every weight or for none");
+  auto entry = std::make_shared<PackedLinear>();
+  entry->in_features = weights[0].size(1);
+  for (const auto& w : weights) {
+    TORCH_CHECK_VALUE(w.dim() == 2 && w.size(1) == entry->in_features && w.scalar_type() == weights[0].scalar_type(),
+                      "register_packed_linear: the weights must be [out, in] with one in and one dtype");
+    entry->out_features += w.size(0);
+  }
+  entry->weights = std::move(weights);
+  entry->biases = std::move(biases);
+  entry->pack();
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  registry[handle] = std::move(entry);
+}
+
+void drop_packed_linear(int64_t handle) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  registry.erase(handle);
+}
+
+}  // namespace
+
+void register_packed_linear_bindings(pybind11::module_& m) {
+  m.def("register_packed_linear", &register_packed_linear, pybind11::arg("handle"), pybind11::arg("weights"),
+        pybind11::arg("biases"),
+        "Pack cat(weights) (and cat(biases), or no bias) for torch.ops.cbcore.packed_linear under `handle`, "
+        "replacing what the handle held. The sources are kept: one changed in place is repacked on the next call.");
+  m.def("drop_packed_linear", &drop_packed_linear, pybind11::arg("handle"),
+        "Forget the packed weight of `handle` (and release its sources); unknown handles are ignored.");
+}
+
+}  // namespace cbcore
+
+TORCH_LIBRARY_FRAGMENT(cbcore, m) {
+  m.def("packed_linear(Tensor x, int handle) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(cbcore, CPU, m) {
+  m.impl("packed_linear", &cbcore::packed_linear);
+}
