@@ -118,6 +118,22 @@ def in_paged_step() -> bool:
     return getattr(_in_paged_step, "active", False)
 
 
+class _StepTrace:
+    """Whether the code Dynamo is tracing is cbcore's compiled step: the compiled function sets `active` around its
+    model call (cbcore/compiled_step.py), so inside that trace it reads True, while a `torch.compile` of the user's own
+    forward (the model bound to a manager meanwhile) reads False and traces the model's own attention and linears."""
+
+    active: bool = False
+
+
+STEP_TRACE = _StepTrace()
+
+
+def tracing_compiled_step() -> bool:
+    """Whether torch is compiling cbcore's step forward right now (not some other code that calls the model)."""
+    return torch.compiler.is_compiling() and STEP_TRACE.active
+
+
 @dataclass
 class StepMetadata:
     """Flat tensors describing one step's packed batch; built once by the runner, read by every layer.
@@ -244,10 +260,9 @@ def paged_attention(
     """transformers attention signature: query `[1, heads, T, d]`, key/value `[1, kv_heads, T, d]` / `[1, kv_heads,
     T, d_v]` -> `[1, T, heads, d_v]` (d_v: V's head dim, d unless the model has latent attention)."""
     step: StepMetadata | None = kwargs.pop(STEP_KWARG, None)
-    if torch.compiler.is_compiling():
-        # Only cbcore's compiled step forward is ever traced with this function (cbcore/compiled_step.py): one opaque
-        # op per layer that reads the step's batch layout when it runs, so no step's layout is baked into the graph
-        # (cbcore/ops/custom_ops.py says why).
+    if tracing_compiled_step():
+        # cbcore's compiled step forward (cbcore/compiled_step.py): one opaque op per layer that reads the step's
+        # batch layout when it runs, so no step's layout is baked into the graph (cbcore/ops/custom_ops.py says why).
         if attention_mask is not None:
             raise RuntimeError("cbcore's paged attention expects no attention mask; its mask function must return None")
         check_step_kwargs(kwargs, dropout)
@@ -353,9 +368,9 @@ def _model_eager_attention(
 
 
 def _mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
-    """No mask in cbcore's steps (the kernels mask: causal, bottom-right aligned, sliding window); sdpa's otherwise.
-    A traced forward is always cbcore's compiled step (cbcore/compiled_step.py)."""
-    if torch.compiler.is_compiling() or getattr(_in_paged_step, "active", False):
+    """No mask in cbcore's steps, compiled or not (the kernels mask: causal, bottom-right aligned, sliding window);
+    sdpa's otherwise."""
+    if tracing_compiled_step() or getattr(_in_paged_step, "active", False):
         return None
     return sdpa_mask(*args, **kwargs)
 

@@ -106,7 +106,11 @@ def _forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, position_id
     # For decoders that compute positions themselves (cbcore/positions.py): the step's positions, as an input of the
     # graph rather than read off the step's metadata.
     TRACED_POSITIONS.value = position_ids.view(-1)
+    # What tells cbcore's attention, linears and position hooks that this trace is the step's (attention.STEP_TRACE);
+    # at run time the compiled code only replays the final values of both.
+    attention.STEP_TRACE.active = True
     logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kept).logits
+    attention.STEP_TRACE.active = False
     TRACED_POSITIONS.value = None
     return logits
 
@@ -176,7 +180,10 @@ class StepForward:
             extra = {"logits_to_keep": kept} if kept is not None else {}
             return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra,
                               **{attention.STEP_KWARG: step}).logits
-        return compiled.function(self.model, input_ids, position_ids, kept)
+        try:
+            return compiled.function(self.model, input_ids, position_ids, kept)
+        finally:  # never left set: a forward raising after a graph break would leave what the part before it set
+            attention.STEP_TRACE.active = False
 
     @torch.inference_mode()
     def warmup(self, vocab_size: int) -> CompileReport:

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import in_paged_step
+from .attention import in_paged_step, tracing_compiled_step
 from .switches import env_switch
 
 logger = logging.getLogger(__name__)
@@ -160,9 +160,9 @@ MEMBER_ATTR = "_cbcore_member"
 
 def _packed_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """The instance `forward`: the packed oneDNN matmul inside a cbcore step, the module's own forward elsewhere."""
-    # A traced forward is always cbcore's compiled step (cbcore/compiled_step.py), and the thread-local flag is not
-    # something to trace.
-    inside = torch.compiler.is_compiling() or in_paged_step()
+    # In a trace of cbcore's compiled step the thread-local flag is not something to read (the graph would guard on
+    # it); a trace of the user's own forward reads it as outside a step.
+    inside = tracing_compiled_step() or in_paged_step()
     if not inside or x.dtype != module.weight.dtype or x.device.type != "cpu":
         return type(module).forward(module, x)
     member: _Member = module._cbcore_member

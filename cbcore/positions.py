@@ -19,7 +19,7 @@ import inspect
 
 import torch
 
-from .attention import current_step
+from .attention import current_step, tracing_compiled_step
 
 
 class _TracedPositions:
@@ -76,7 +76,7 @@ class StepPositions:
     @staticmethod
     def _hook(index: int):
         def give_step_positions(module, args, kwargs):
-            if torch.compiler.is_compiling():
+            if tracing_compiled_step():
                 positions = TRACED_POSITIONS.value
             else:
                 positions = getattr(current_step(), "positions", None)

@@ -220,3 +220,28 @@ def test_a_model_the_self_check_refuses_is_refused_before_compiling() -> None:
     with pytest.raises(UnsupportedModelError, match="self-check"):
         manager.warmup()
     manager.destroy()
+
+
+def test_your_own_compiled_forward_while_a_manager_holds_the_model_runs_the_models_own_layers() -> None:
+    """A `torch.compile` of the user's forward, traced while a compiled manager serves the model on its thread, is not
+    cbcore's step: it traces the model's own attention and linears (it used to trace cbcore's step ops, which failed
+    outside a step), and cbcore's step keeps serving exact tokens after it."""
+    model = copy.deepcopy(tiny_model("llama_gqa"))
+    prompt = torch.tensor([random_prompts([11], seed=8)[0]])
+    with torch.no_grad():
+        expected = model(prompt).logits
+    manager = cbcore.ContinuousBatchingManager(model, greedy_config(5),
+                                               cbcore.ContinuousBatchingConfig(default_compile_level=1, page_size=8))
+    manager.start()
+    try:
+        yours = torch.compile(lambda ids: model(ids).logits, dynamic=False)
+        with torch.no_grad():
+            got = yours(prompt)
+        assert torch.allclose(got, expected, atol=1e-5)
+        prompts = random_prompts([6, 13], seed=9)
+        request_ids = manager.add_requests(prompts)
+        outputs = collect_outputs(manager, request_ids)
+    finally:
+        manager.stop(block=True, timeout=60)
+    assert [outputs[r].generated_tokens for r in request_ids] == [reference_tokens(model, p, greedy_config(5))
+                                                                for p in prompts]

@@ -73,6 +73,8 @@ def run_metrics(result: dict, reference_tokens: list[list[int]] | None) -> dict:
         metrics["versions"] = result["versions"]
     if result.get("kv_cache_space_gib") is not None:
         metrics["kv_cache_space_gib"] = result["kv_cache_space_gib"]
+    if result.get("compile_level"):  # cbcore's compiled peer: the seconds its warm-up compiled for, before t0
+        metrics["compile_level"], metrics["compile_s"] = result["compile_level"], result.get("compile_s")
     if reference_tokens is not None:
         agree = [a == b for a, b in zip(tokens, reference_tokens)]
         metrics["agree"] = sum(agree)
@@ -104,9 +106,13 @@ def aggregate(peer: str, runs: list[dict]) -> dict:
         entry[key] = statistics.median(values) if values else None
     for key in COUNT_FIGURES:
         entry[key] = statistics.median_low([r[key] for r in done])
-    for key in ("torch_threads", "versions", "kv_cache_space_gib"):
+    for key in ("torch_threads", "versions", "kv_cache_space_gib", "compile_level"):
         if done[0].get(key) is not None:
             entry[key] = done[0][key]
+    compile_times = [r["compile_s"] for r in done if r.get("compile_s") is not None]
+    if compile_times:
+        entry.update(compile_s=statistics.median(compile_times), compile_s_min=min(compile_times),
+                     compile_s_max=max(compile_times))
     if "agree" in done[0]:
         entry["agree"] = min(r["agree"] for r in done)
         entry["agree_of"] = done[0]["agree_of"]
@@ -195,6 +201,10 @@ def format_table(record: dict) -> str:
     if record["cbcore_throughput_ratios"]:
         ratios = record["cbcore_throughput_ratios"].items()
         notes.append("cbcore tok/s over: " + ", ".join(f"{k.removeprefix('cbcore_over_')} {v:.2f}x" for k, v in ratios))
+    for p in record["peers"]:
+        if p.get("compile_s") is not None:
+            notes.append(f"{p['peer']}: compiled ahead (level {p.get('compile_level')}) in {p['compile_s']:.0f} s "
+                         f"({p['compile_s_min']:.0f}-{p['compile_s_max']:.0f}), in its warm-up call, before t0.")
     if any(p["peer"].startswith("vllm") and "tok_per_s" in p for p in record["peers"]):
         gib = settings.get("vllm_kv_cache_gib")
         if gib is None:
