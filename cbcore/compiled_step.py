@@ -119,6 +119,12 @@ def _forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, position_id
 class _Compiled:
     function: object  # the torch.compile wrapper
     seconds: float = 0.0  # spent compiling it ahead, every warm-up together
+    warmed: bool = False  # a warm-up ran it on every shape once
+
+
+def _graphs_compiled() -> int:
+    """Graphs Dynamo compiled so far in this process (what tells a warm-up that something was compiled again)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 # model -> {(path, config): compiled function}. Kept per model rather than per engine, so that every manager of one
@@ -192,23 +198,32 @@ class StepForward:
         bound (cbcore's attention and linears attached).
 
         Run by every engine, even when an earlier one compiled the same model: the graphs are reused then and this
-        takes milliseconds, unless something they guard on changed since (transformers' registry of model classes
-        grows when a new model class is built, for one), in which case they are compiled again here, ahead, rather
-        than in the first step."""
+        runs two shapes per path, unless something they guard on changed since (transformers' registry of model
+        classes grows when a new model class is built, for one), in which case every shape is compiled again here,
+        ahead, rather than in the first step."""
         device = self.model.device
         for path, compiled, shapes in (
             ("decode", self._decode, [(1, 1), (2, 2), (3, 3)]),
-            ("varlen", self._varlen, [(2, 1), (3, 1), (3, 2), (4, 2), (4, 3)]),
+            ("varlen", self._varlen, [(2, 1), (3, 2), (3, 1), (4, 2), (4, 3)]),
         ):
             if compiled is None:
                 continue
             began = time.perf_counter()
-            for num_tokens, num_rows in shapes:
+            graphs = _graphs_compiled()
+            for index, (num_tokens, num_rows) in enumerate(shapes):
+                # Graphs already warmed (an earlier engine of this model): the first two shapes (one emitting row,
+                # then several: the two specialisations a step can hit) show whether they are still valid; what
+                # invalidates them (a guard on transformers' registry, the model's dtype) invalidates every
+                # shape's, so the rest run only when those two compiled something. Each call of the 30-layer
+                # default model costs tens of milliseconds of every generate_batch.
+                if compiled.warmed and index >= 2 and _graphs_compiled() == graphs:
+                    break
                 input_ids = torch.randint(1, vocab_size, (1, num_tokens), device=device)
                 positions = torch.arange(num_tokens, device=device).view(1, -1)
                 rows = torch.arange(num_tokens - num_rows, num_tokens, device=device)
                 with attention.paged_step(attention.WarmupStep()):
                     compiled.function(self.model, input_ids, positions, rows if self.takes_logits_to_keep else None)
+            compiled.warmed = True
             seconds = time.perf_counter() - began
             compiled.seconds += seconds
             setattr(self.report, f"{path}_seconds", seconds)

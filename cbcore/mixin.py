@@ -70,8 +70,9 @@ class ContinuousMixin:
         `block=False` the exit does not wait: the loop finishes the requests in flight with cbcore's attention, then
         hands the model back and releases the cache by itself."""
         manager = self.init_continuous_batching(generation_config, continuous_batching_config, workload_hints)
-        if warmup and not manager.warmed_up:
-            manager.warmup()
+        # `warmup` is accepted for transformers' signature: start() builds the engine and compiles the step ahead
+        # itself whenever warmup() has not, binding the model once for both (warmup() then start() would pack the
+        # linear weights twice, a tenth of a second per generate_batch on the default model).
         manager.start()
         try:
             yield manager
@@ -95,7 +96,8 @@ class ContinuousMixin:
         """Generate for every prompt; returns `{request_id: GenerationOutput}` in input order (`req_0`, `req_1`, ...).
 
         `max_new_tokens` may be passed as a keyword, as in transformers; any other keyword raises a TypeError
-        (transformers silently ignores them).
+        (transformers silently ignores them). `warmup=False` does not skip compiling ahead: the manager's `start()`
+        always compiles a compiled step before the first request, so no request pays for compilation.
 
         Under tensor parallelism (`torchrun`, a model loaded with a tensor-parallel plan) every rank calls it with the
         same arguments; the driver (rank 0) returns the outputs, the other ranks serve its steps and return `{}`.

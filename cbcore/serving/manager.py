@@ -118,6 +118,7 @@ class ContinuousBatchingManager(RequestSubmission, GenerationLoop):
         self._engine_needs_rebuild = False  # after the loop died mid-step, its state cannot be trusted
         self._steps_at_start = 0  # the engine's step count when the loop last started (current_batch)
         self.warmed_up = False
+        self._compiled_ahead_for: EngineCore | None = None  # the engine whose step was last compiled ahead
         self.compile_seconds = 0.0  # spent compiling the step ahead (warmup or start), for logs and the CLI
 
         # The model is bound to cbcore's attention (engine.binding) by start() and handed back when the loop ends: a
@@ -212,6 +213,8 @@ class ContinuousBatchingManager(RequestSubmission, GenerationLoop):
         refuses gets its clear error, not a compiler's error from tracing the same forward."""
         if not self.engine.runner.step_forward.compiled:
             return
+        if self._compiled_ahead_for is self.engine:  # warmup() did it for this engine; start() need not again
+            return
         if self_check_enabled():
             was_attached = self.engine.binding.attached
             self.engine.binding.attach()
@@ -221,6 +224,7 @@ class ContinuousBatchingManager(RequestSubmission, GenerationLoop):
                 if not was_attached:
                     self.engine.binding.detach()
         self.compile_seconds += self.engine.compile_ahead()
+        self._compiled_ahead_for = self.engine
 
     # ------------------------------------------------------------------------------------------- lifecycle ----
 
