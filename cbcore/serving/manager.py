@@ -118,7 +118,8 @@ class ContinuousBatchingManager(RequestSubmission, GenerationLoop):
         self._engine_needs_rebuild = False  # after the loop died mid-step, its state cannot be trusted
         self._steps_at_start = 0  # the engine's step count when the loop last started (current_batch)
         self.warmed_up = False
-        self._compiled_ahead_for: EngineCore | None = None  # the engine whose step was last compiled ahead
+        # The engine whose step warmup() compiled ahead, so that the start() after it need not again.
+        self._compiled_ahead_for: EngineCore | None = None
         self.compile_seconds = 0.0  # spent compiling the step ahead (warmup or start), for logs and the CLI
 
         # The model is bound to cbcore's attention (engine.binding) by start() and handed back when the loop ends: a
@@ -275,6 +276,8 @@ class ContinuousBatchingManager(RequestSubmission, GenerationLoop):
             target=self._run_generation_loop, name="cbcore-loop", kwargs=loop_kwargs, daemon=True
         )
         self._generation_thread.start()
+        # A later start() (a kept manager's next session) compiles ahead again: graphs may be invalid by then.
+        self._compiled_ahead_for = None
 
     def stop(
         self,
