@@ -30,7 +30,6 @@ import cbcore  # noqa: E402
 from cbcore.benchmarks.models import RANDOM_LLAMA, model_folder  # noqa: E402
 from cbcore.benchmarks.peers import generation_config  # noqa: E402
 from cbcore.benchmarks.workloads import build_workload  # noqa: E402
-from cbcore.requests import RequestState  # noqa: E402
 
 DECODE_STEPS = 50
 
@@ -70,10 +69,7 @@ def one_run(workload_name: str, num_requests: int | None) -> float:
     manager.warmup()
     engine = manager.engine
     engine.binding.attach()
-    for index, prompt in enumerate(workload.prompts):
-        engine.add_request(RequestState(request_id=f"req_{index}", initial_tokens=list(prompt),
-                                        max_new_tokens=workload.max_new_tokens,
-                                        eos_token_id=manager.default_eos_token_id))
+    workload.add_to_engine(engine, manager.default_eos_token_id)
     stub = _stub_forward(model.config.vocab_size)
     with torch.inference_mode():
         if num_requests is not None:

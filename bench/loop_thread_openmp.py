@@ -38,7 +38,6 @@ def run_case(case: str, workload_name: str, dtype_name: str) -> float:
     from cbcore.benchmarks.models import model_folder
     from cbcore.benchmarks.peers import generation_config
     from cbcore.benchmarks.workloads import build_workload
-    from cbcore.requests import RequestState
 
     torch.set_num_threads(2)
     workload = build_workload(workload_name)
@@ -50,10 +49,7 @@ def run_case(case: str, workload_name: str, dtype_name: str) -> float:
             manager.warmup()  # the self-check's forwards: this thread's team exists, as in the other cases
             engine = manager.engine
             engine.binding.attach()
-            for index, prompt in enumerate(workload.prompts):
-                engine.add_request(RequestState(request_id=f"req_{index}", initial_tokens=list(prompt),
-                                                max_new_tokens=workload.max_new_tokens,
-                                                eos_token_id=manager.default_eos_token_id))
+            workload.add_to_engine(engine, manager.default_eos_token_id)
             started = time.perf_counter()
             while engine.has_work():
                 engine.step()

@@ -42,7 +42,6 @@ from cbcore.benchmarks.models import RANDOM_LLAMA, model_folder  # noqa: E402
 from cbcore.benchmarks.peers import generation_config  # noqa: E402
 from cbcore.benchmarks.workloads import build_workload  # noqa: E402
 from cbcore import ops  # noqa: E402
-from cbcore.requests import RequestState  # noqa: E402
 
 PARTS = ("schedule", "prepare", "linear", "attention", "forward_rest", "sample", "other")
 COMPILED_PARTS = ("host", "linear", "attention", "graph_rest", "dynamo")
@@ -132,10 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     forward = model.forward
     model.forward = timers.wrap("forward", forward)
 
-    for index, prompt in enumerate(workload.prompts):
-        engine.add_request(RequestState(request_id=f"req_{index}", initial_tokens=list(prompt),
-                                        max_new_tokens=workload.max_new_tokens,
-                                        eos_token_id=manager.default_eos_token_id))
+    workload.add_to_engine(engine, manager.default_eos_token_id)
     started = time.perf_counter()
     with torch.inference_mode():
         while engine.has_work():
@@ -194,10 +190,7 @@ def profile_compiled(manager, workload, args) -> int:
         return prepare(batch)
 
     runner.prepare = prepare_and_classify
-    for index, prompt in enumerate(workload.prompts):
-        engine.add_request(RequestState(request_id=f"req_{index}", initial_tokens=list(prompt),
-                                        max_new_tokens=workload.max_new_tokens,
-                                        eos_token_id=manager.default_eos_token_id))
+    workload.add_to_engine(engine, manager.default_eos_token_id)
     step_ranges: list[tuple[int, int]] = []  # (start, end) in the profiler's microseconds, per step
     started = time.perf_counter()
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -165,6 +165,11 @@ class WarmupStep:
     """Handed to `paged_step()` while the compiled forward is compiled ahead (cbcore/compiled_step.py): each layer's
     attention answers zeros and no cache is touched."""
 
+    @staticmethod
+    def attention(query: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """A layer's attention output while compiling ahead: zeros `[1, T, heads, d_v]` (transformers' layout)."""
+        return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[-1])
+
 
 class _ShapeProbe:
     """Passed as the step by `probe_kv_shapes`: each layer's attention records the K/V shapes it receives."""
@@ -260,35 +265,32 @@ def paged_attention(
     """transformers attention signature: query `[1, heads, T, d]`, key/value `[1, kv_heads, T, d]` / `[1, kv_heads,
     T, d_v]` -> `[1, T, heads, d_v]` (d_v: V's head dim, d unless the model has latent attention)."""
     step: StepMetadata | None = kwargs.pop(STEP_KWARG, None)
-    if tracing_compiled_step():
-        # cbcore's compiled step forward (cbcore/compiled_step.py): one opaque op per layer that reads the step's
-        # batch layout when it runs, so no step's layout is baked into the graph (cbcore/ops/custom_ops.py says why).
-        if attention_mask is not None:
-            raise RuntimeError("cbcore's paged attention expects no attention mask; its mask function must return None")
-        check_step_kwargs(kwargs, dropout)
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return torch.ops.cbcore.step_attention(query, key, value, module.layer_idx, scale,
-                                               kwargs.get("sliding_window"), kwargs.get("softcap"),
-                                               kwargs.get("s_aux")), None
-    if step is None:
-        step = current_step()  # a decoder layer dropped the forward's kwargs
-    if isinstance(step, _ShapeProbe):
-        return step.record(module, query, key, value)
-    if isinstance(step, WarmupStep):  # as the compiled step's op answers while compiling ahead
-        return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[-1]), None
-    if step is None:  # not one of cbcore's steps: the model's own implementation (see outside_steps_implementation)
-        own = module.__dict__.get(OUTSIDE_STEPS_ATTR)
-        needs_eager = kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
-        has_eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None) is not None
-        if needs_eager or (own == "eager" and has_eager):
-            return _model_eager_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    # In a trace of cbcore's compiled step (cbcore/compiled_step.py) the step is not read here: the layer becomes one
+    # opaque op that reads the step's batch layout when it runs, so no step's layout is baked into the graph
+    # (cbcore/ops/custom_ops.py says why).
+    traced = tracing_compiled_step()
+    if not traced:
+        if step is None:
+            step = current_step()  # a decoder layer dropped the forward's kwargs
+        if isinstance(step, _ShapeProbe):
+            return step.record(module, query, key, value)
+        if isinstance(step, WarmupStep):  # as the compiled step's op answers while compiling ahead
+            return step.attention(query, value), None
+        if step is None:  # not one of cbcore's steps: the model's own implementation (see outside_steps_implementation)
+            own = module.__dict__.get(OUTSIDE_STEPS_ATTR)
+            needs_eager = kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
+            has_eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None) is not None
+            if needs_eager or (own == "eager" and has_eager):
+                return _model_eager_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                          **kwargs)
     if attention_mask is not None:
         raise RuntimeError("cbcore's paged attention expects no attention mask; its mask function must return None")
     check_step_kwargs(kwargs, dropout)
-    head_dim = query.shape[-1]
-    scale = scaling if scaling is not None else head_dim**-0.5
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
+    if traced:
+        return torch.ops.cbcore.step_attention(query, key, value, module.layer_idx, scale, window, softcap, sinks), None
     return run_step_attention(step, module.layer_idx, query, key, value, scale, window, softcap, sinks), None
 
 

@@ -74,6 +74,15 @@ class Workload:
         data.update(num_requests=len(self.prompts), prompt_tokens=self.prompt_tokens)
         return data
 
+    def add_to_engine(self, engine, eos_token_id: int | list[int] | None) -> None:
+        """Queue every request on a `cbcore.engine.EngineCore` (ids `req_0`, `req_1`, ...), for the scripts that step
+        an engine themselves (`bench/profile_step.py` and others); `eos_token_id` is the manager's default."""
+        from cbcore.requests import RequestState
+
+        for index, prompt in enumerate(self.prompts):
+            engine.add_request(RequestState(request_id=f"req_{index}", initial_tokens=list(prompt),
+                                            max_new_tokens=self.max_new_tokens, eos_token_id=eos_token_id))
+
 
 def _random_tokens(generator: torch.Generator, count: int, vocab: int) -> list[int]:
     # Token 0 is left out so that no prompt contains the pad id the padded `model.generate` peer uses.

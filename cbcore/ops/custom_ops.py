@@ -91,7 +91,7 @@ def step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if step is None:
         raise RuntimeError("torch.ops.cbcore.step_attention ran outside a cbcore step (paged_step was not entered)")
     if isinstance(step, WarmupStep):  # compiling ahead: no cache to attend over
-        return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[-1])
+        return step.attention(query, value)
     return run_step_attention(step, layer, query, key, value, scale, sliding_window, softcap, sinks)
 
 

@@ -206,17 +206,18 @@ class ContinuousBatchingManager(RequestSubmission, GenerationLoop):
         check_model_supported(self.model)  # a model cbcore cannot serve exactly is refused before anything is built
         if self.engine is None or self._engine_needs_rebuild:
             self._build_engine()
-        self._compile_ahead()
+        self._compile_ahead(self_checked=False)
         self.warmed_up = True
 
-    def _compile_ahead(self) -> None:
-        """Compile the step ahead (when it is compiled), after the start-up self-check: a model the self-check
-        refuses gets its clear error, not a compiler's error from tracing the same forward."""
+    def _compile_ahead(self, self_checked: bool) -> None:
+        """Compile the step ahead (when it is compiled), after the start-up self-check (run here unless the caller
+        `self_checked` already): a model the self-check refuses gets its clear error, not a compiler's error from
+        tracing the same forward."""
         if not self.engine.runner.step_forward.compiled:
             return
         if self._compiled_ahead_for is self.engine:  # warmup() did it for this engine; start() need not again
             return
-        if self_check_enabled():
+        if not self_checked and self_check_enabled():
             was_attached = self.engine.binding.attached
             self.engine.binding.attach()
             try:
@@ -257,7 +258,7 @@ class ContinuousBatchingManager(RequestSubmission, GenerationLoop):
             self._attach_to_model()
             if self_check_enabled():  # cbcore's paged path against the model's own forward, before any request
                 self_check(self.model, self._original_attn_impl)
-            self._compile_ahead()
+            self._compile_ahead(self_checked=True)
         except BaseException:
             self._restore_attn()
             raise

@@ -42,6 +42,16 @@ struct PackedLinear {
     return now;
   }
 
+  // Whether a source changed in place since it was packed; checked on every call, so it allocates nothing.
+  bool stale() const {
+    size_t i = 0;
+    for (const auto& w : weights)
+      if (static_cast<int64_t>(w._version()) != versions[i++]) return true;
+    for (const auto& b : biases)
+      if (static_cast<int64_t>(b._version()) != versions[i++]) return true;
+    return false;
+  }
+
   void pack() {
     static auto reorder = c10::Dispatcher::singleton()
                               .findSchemaOrThrow("mkldnn::_reorder_linear_weight", "")
@@ -76,9 +86,9 @@ at::Tensor packed_linear(const at::Tensor& x, int64_t handle) {
   const std::shared_ptr<PackedLinear> entry = find(handle);
   TORCH_CHECK_VALUE(x.size(-1) == entry->in_features, "cbcore.packed_linear: input has ", x.size(-1),
                     " features, the packed weight ", handle, " takes ", entry->in_features);
-  if (entry->current_versions() != entry->versions) {  // a source changed in place since it was packed
+  if (entry->stale()) {
     std::lock_guard<std::mutex> lock(registry_mutex);
-    if (entry->current_versions() != entry->versions) entry->pack();
+    if (entry->stale()) entry->pack();
   }
   const at::Tensor rows = x.reshape({-1, entry->in_features});
   static const c10::List<std::optional<c10::Scalar>> no_scalars;
