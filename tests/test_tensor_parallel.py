@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,7 @@ from conftest import reference_tokens
 
 REPO = Path(__file__).resolve().parents[1]
 PROCESS_TIMEOUT_S = 240
+TORCHRUN_KILL_AFTER_S = 30  # how long torchrun waits after forwarding a SIGTERM before it kills the ranks
 
 
 def _free_port() -> int:
@@ -189,6 +192,18 @@ def test_a_failure_on_one_rank_ends_every_rank(failed_on_one_rank):
     assert driver["error"] == follower["error"] and "injected failure on rank 1" in follower["error"]
 
 
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_a_forward_failing_before_a_collective_ends_every_rank_within_the_timeout(failing_rank, model_dir, tmp_path):
+    # The other rank's forward is blocked in a collective the failing rank never enters: without a bound it would
+    # wait out the world group's timeout (tp_worker.WAIT_S, past which the driver's wait for its request fails).
+    driver, follower = run_ranks(f"failure_before_collectives_on_rank{failing_rank}", model_dir, tmp_path)
+    assert driver["request_status"] == int(RequestStatus.FAILED)
+    assert "different numbers of collectives on the tensor-parallel ranks" in driver["request_error"]
+    assert f"rank {failing_rank}: RuntimeError: injected failure on rank {failing_rank}" in driver["request_error"]
+    assert driver["error"] == follower["error"], "both ranks read the same exchange and end with the same error"
+    assert driver["elapsed_s"] < tp_worker.FAILING_BEFORE_COLLECTIVES_TIMEOUT_S
+
+
 def test_torchrun_generate_prints_the_driver_outputs(model_dir, reference, tmp_path):
     prompts = tp_worker.CHUNKED_PROMPTS[:2]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts))
@@ -202,6 +217,89 @@ def test_torchrun_generate_prints_the_driver_outputs(model_dir, reference, tmp_p
     records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [r["generated_tokens"] for r in records] == [reference(p, 6) for p in prompts]
     assert done.stdout.count("summary:") == 1, "only the driver prints"
+
+
+def test_torchrun_serve_answers_on_the_driver_and_every_rank_ends_on_sigterm(tmp_path):
+    """`torchrun --nproc-per-node 2 -m cbcore serve`: the driver's HTTP server answers with `model.generate`'s greedy
+    text, and a SIGTERM to torchrun (which forwards it to every rank) ends the driver's server and, through the
+    driver's STOP, the other rank's loop: every process exits, none is left serving."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from transformers import AutoTokenizer
+
+    from cbcore.default_model import ensure_default_model
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(ensure_default_model())
+    except Exception as error:  # noqa: BLE001 - the default model's package is missing: say so and skip
+        pytest.skip(f"the default model's tokenizer is not available: {error}")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+                                         pad_token_id=2)).eval()
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    prompt_ids = tokenizer("The quick brown fox")["input_ids"]
+    expected = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                              do_sample=False, max_new_tokens=8, eos_token_id=2, pad_token_id=2)[0, len(prompt_ids):]
+
+    port = _free_port()
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(_free_port()), "-m", "cbcore", "serve", "--model", str(tmp_path / "model"), "--port", str(port),
+               "--page-size", "16", "--num-blocks", "32", "--log-level", "warning", "--served-model-name", "tiny"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    launcher = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + PROCESS_TIMEOUT_S / 2
+        while True:
+            assert launcher.poll() is None, f"torchrun exited with {launcher.returncode}:\n{launcher.stdout.read()[-4000:]}"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the driver's server did not answer /health in time"
+            time.sleep(0.2)
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": prompt_ids, "max_tokens": 8, "temperature": 0}).json()
+        assert answer["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+        assert answer["usage"]["completion_tokens"] == len(expected)
+        workers = _children_of(launcher.pid)
+        assert len(workers) == 2, f"torchrun runs one process per rank, found {workers}"
+        launcher.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        log = launcher.communicate(timeout=PROCESS_TIMEOUT_S / 2)[0]
+        # torchrun kills a rank that outlives its SIGTERM by 30 s: ending sooner, every rank ended on its own.
+        assert time.monotonic() - signalled < TORCHRUN_KILL_AFTER_S, log[-3000:]
+        still_running = [pid for pid in workers if _is_running(pid)]
+        assert not still_running, f"ranks still running after torchrun ended: {still_running}\n{log[-3000:]}"
+    finally:
+        if launcher.poll() is None:  # leave nothing behind, whatever failed above
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.communicate()
+
+
+def _children_of(pid: int) -> list[int]:
+    """The direct child processes of `pid` (Linux: /proc)."""
+    children = []
+    for status in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = status.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(status.parent.name))
+    return children
+
+
+def _is_running(pid: int) -> bool:
+    """Whether `pid` is alive and not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_plan_and_copies_cross_the_wire_unchanged():

@@ -12,6 +12,7 @@ test (the parent kills the processes) instead of blocking it.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import sys
@@ -257,7 +258,45 @@ def failure_on_one_rank(model_dir: str, backend: str, rank: int, sync) -> dict:
     return seen
 
 
-SCENARIOS = {"serve": serve, "pause_on_one_rank": pause_on_one_rank, "failure_on_one_rank": failure_on_one_rank}
+FAILING_BEFORE_COLLECTIVES_TIMEOUT_S = 8
+
+
+def failure_before_collectives(failing_rank: int, model_dir: str, backend: str, rank: int, sync) -> dict:
+    """`failing_rank`'s forward raises before its first collective, which the other rank's forward enters and
+    waits in: both ranks end with the same error, which says the group is out of step, within cpu_group_timeout
+    (far sooner than the world group's WAIT_S timeout, which the blocked collective would otherwise wait out)."""
+    import cbcore
+
+    model = _load(model_dir, backend)
+    config = cbcore.ContinuousBatchingConfig(num_blocks=32, page_size=4, cpu_offload_space=0,
+                                             cpu_group_timeout=FAILING_BEFORE_COLLECTIVES_TIMEOUT_S)
+    manager = cbcore.ContinuousBatchingManager(model, _greedy(10_000), config)
+    manager.start()
+    if rank == failing_rank:
+        calls = []
+
+        def fail_the_third_forward(module, args):  # the embedding runs before any of the forward's collectives
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError(f"injected failure on rank {rank}")
+
+        model.get_input_embeddings().register_forward_pre_hook(fail_the_third_forward)
+    seen: dict = {}
+    if rank == 0:
+        started = time.monotonic()
+        request_id = manager.add_request(PAUSE_PROMPT, max_new_tokens=50)
+        final = _collect(manager, [request_id])[request_id]
+        seen["elapsed_s"] = time.monotonic() - started
+        seen["request_status"], seen["request_error"] = final["status"], final["error"]
+    _wait_until_stopped(manager)
+    seen["error"] = str(manager.background_thread_status.fatal_error)
+    manager.destroy()
+    return seen
+
+
+SCENARIOS = {"serve": serve, "pause_on_one_rank": pause_on_one_rank, "failure_on_one_rank": failure_on_one_rank,
+             "failure_before_collectives_on_rank0": functools.partial(failure_before_collectives, 0),
+             "failure_before_collectives_on_rank1": functools.partial(failure_before_collectives, 1)}
 
 
 def main() -> None:

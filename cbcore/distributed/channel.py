@@ -2,10 +2,13 @@
 
 Every message is one *exchange* on the CPU group, which every rank enters:
 
-1. a header, MAX-reduced over the ranks: `[kind, payload length, flags of rank 0, ..., flags of rank n-1, inline
-   room]`. The driver writes the kind and the length, each rank its own flags (a pause or a hard stop asked on that
-   rank, the outcome of its last forward, a fatal error). So the driver hears from every rank at every message, and
-   a rank that does not take part makes the others fail within `cpu_group_timeout` instead of waiting forever;
+1. a header, MAX-reduced over the ranks: `[kind, payload length, flags of rank 0, ..., flags of rank n-1,
+   collectives of rank 0's last forward, ..., of rank n-1's, inline room]`. The driver writes the kind and the
+   length, each rank its own flags (a pause or a hard stop asked on that rank, the outcome of its last forward, a
+   fatal error) and how many collectives its last forward issued on the model's group. So the driver hears from
+   every rank at every message, a rank that does not take part makes the others fail within `cpu_group_timeout`
+   instead of waiting forever, and a forward that raised on one rank before a collective the others entered (the
+   model's group out of step) ends the group on every rank;
 2. the payload (an int64 tensor, cbcore/distributed/wire.py): inside the header's inline room when it fits, else
    broadcast from the driver after it. The room is the last STEP's payload length rounded up to a power of two (at
    most `MAX_INLINE`), which every rank derives alike from what it received, so a steady stream of steps costs one
@@ -62,6 +65,7 @@ class Received:
     kind: Kind
     payload: list[int] | None
     flags: list[int]  # by tensor-parallel rank
+    forward_collectives: list[int] = field(default_factory=list)  # by rank: collectives its last forward issued
     texts: dict[int, str] = field(default_factory=dict)  # by rank, for the ranks that sent one
 
     def ranks_with(self, flag: Flag) -> list[int]:
@@ -70,12 +74,22 @@ class Received:
 
     def group_failure(self, me: int) -> str | None:
         """Why this exchange ends the group, the same on every rank that reads it (so no rank acts on a message
-        the others drop): another rank's loop is failing (FATAL), or a plan's forward raised on some rank but not
-        on the driver (whose own FORWARD_FAILED says how its last forward ended), so that rank's KV shard cannot be
-        trusted. None when the group goes on."""
+        the others drop): another rank's loop is failing (FATAL); the last forward issued different numbers of
+        collectives on different ranks, so the model's process group is out of step; or a plan's forward raised on
+        some rank but not on the driver (whose own FORWARD_FAILED says how its last forward ended), so that rank's
+        KV shard cannot be trusted. None when the group goes on (a forward that raised alike on every rank: the
+        driver isolates its culprit)."""
         fatal = [rank for rank in self.ranks_with(Flag.FATAL) if rank != me]
         if fatal:
             return f"tensor-parallel rank(s) {fatal} failed: {self.texts_of(fatal)}"
+        if len(set(self.forward_collectives)) > 1:
+            counts = ", ".join(f"rank {rank}: {count}" for rank, count in enumerate(self.forward_collectives))
+            texted = self.ranks_with(Flag.HAS_TEXT)
+            return (
+                f"the last forward issued different numbers of collectives on the tensor-parallel ranks ({counts}): it "
+                "raised on some rank before a collective the others entered, so the model's process group is out "
+                "of step and cannot be used again" + (f"; {self.texts_of(texted)}" if texted else "")
+            )
         failed = [rank for rank in self.ranks_with(Flag.FORWARD_FAILED) if rank != 0]
         if failed and not self.flags[0] & Flag.FORWARD_FAILED:
             return f"the forward raised on tensor-parallel rank(s) {failed} but not on the driver: {self.texts_of(failed)}"
@@ -97,7 +111,7 @@ class StepChannel:
     def __init__(self, group: TensorParallelGroup) -> None:
         self.group = group
         self._inline = 0  # the header's inline room of the next exchange; the same on every rank
-        self._header = torch.zeros(2 + group.size, dtype=torch.int64)
+        self._header = torch.zeros(2 + 2 * group.size, dtype=torch.int64)
 
     def exchange(
         self,
@@ -112,7 +126,8 @@ class StepChannel:
         group = self.group
         if group.broken is not None:
             raise group.failed(what, RuntimeError(f"the group is unusable: {group.broken}"))
-        start = 2 + group.size  # where the inline room begins
+        counts = 2 + group.size  # where the forwards' collective counts begin
+        start = counts + group.size  # where the inline room begins
         if self._header.numel() != start + self._inline:
             self._header = torch.zeros(start + self._inline, dtype=torch.int64)
         header = self._header
@@ -124,10 +139,11 @@ class StepChannel:
             if 0 < length <= self._inline:
                 header[start : start + length] = payload
         header[2 + group.rank] = int(flags) | (Flag.HAS_TEXT if text is not None else 0)
+        header[counts + group.rank] = group.last_forward_collectives
         try:
             dist.all_reduce(header, op=dist.ReduceOp.MAX, group=group.cpu_group)
             kind, length = Kind(int(header[0])), int(header[1])
-            received = Received(kind, None, header[2:start].tolist())
+            received = Received(kind, None, header[2:counts].tolist(), header[counts:start].tolist())
             if 0 < length <= self._inline:
                 received.payload = header[start : start + length].tolist()
             elif length:

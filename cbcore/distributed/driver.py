@@ -128,9 +128,15 @@ class DriverRunner(ModelRunner):
         collectives); the logits are the whole vocabulary's, gathered by the plan's LM head."""
         self.link.send(Kind.STEP, encode_plan(plan))
         try:
-            logits, emitted = super().forward(plan, step_hook)
-        except BaseException:
+            with self.link.group.counting_collectives():
+                logits, emitted = super().forward(plan, step_hook)
+        except BaseException as error:
             self.link.last_forward_failed = True
+            if isinstance(error, Exception):
+                # Before the engine blames a request for it: hear how the other ranks' forwards ended. Raises
+                # TensorParallelError when the group is out of step (a rank raised before a collective this one
+                # entered, and this one's error is that collective's timeout), else lets the engine isolate.
+                self.link.send(Kind.HEARTBEAT, text=f"{type(error).__name__}: {error}")
             raise
         self.link.last_forward_failed = False
         if logits is not None and logits.shape[-1] != self.vocab_width:

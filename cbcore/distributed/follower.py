@@ -4,8 +4,10 @@ It replaces the manager's generation loop on those ranks (`GenerationLoop._run_g
 `run_follower_loop`). Each exchange carries this rank's flags to the driver (a pause or a hard stop asked here, the
 outcome of its last forward); the driver's message says what to do: run a plan's forward (its logits are dropped:
 the driver samples), issue block copies, park for a pause, or end. A forward that raises is reported and the loop goes
-on, because the driver reruns parts of a failing step to isolate its culprit and every rank must rerun them too; any
-other error ends the loop, and is reported to the driver first, so no rank waits for this one.
+on, because the driver reruns parts of a failing step to isolate its culprit and every rank must rerun them too; the
+next exchange ends the group instead when that forward raised here alone, or before a collective the driver entered
+(each exchange carries how many collectives every rank's last forward issued). Any other error ends the loop, and
+is reported to the driver first, so no rank waits for this one.
 
 Requests never reach this rank: `add_request` returns None here, the outputs are the driver's.
 """
@@ -33,7 +35,7 @@ def run_follower_loop(manager, use_inference_mode: bool, num_threads: int) -> No
     channel = group.channel
     carried, text = 0, None  # what the next exchange reports about the last one
     try:
-        with torch.inference_mode(use_inference_mode):
+        with torch.inference_mode(use_inference_mode), group.bounded_model_collectives():
             if engine.notice_weight_changes():
                 carried = Flag.WEIGHTS_CHANGED
             while True:
@@ -44,7 +46,8 @@ def run_follower_loop(manager, use_inference_mode: bool, num_threads: int) -> No
                 kind = received.kind
                 if kind == Kind.STEP:
                     try:
-                        engine.runner.forward(decode_plan(received.payload))
+                        with group.counting_collectives():
+                            engine.runner.forward(decode_plan(received.payload))
                     except Exception as error:  # noqa: BLE001 - reported; the driver decides (see the docstring)
                         logger.warning(f"cbcore: tensor-parallel rank {group.rank}: a step's forward raised {error!r}")
                         carried, text = Flag.FORWARD_FAILED, f"{type(error).__name__}: {error}"

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -57,10 +59,12 @@ class TensorParallelGroup:
     `size` are within the tensor-parallel group; the driver is its rank 0. `broken` is set when a collective failed
     or a rank reported a fatal error: the group cannot be used again (start() refuses), and nothing is sent on it."""
 
-    def __init__(self, ranks: list[int], rank: int, cpu_group_timeout: float | None, model_backend: str = "gloo"
-                 ) -> None:
-        """`ranks`: the group's global ranks, by tensor-parallel rank; `rank`: this process's tensor-parallel rank.
-        Use `of_model` for a model transformers sharded (this constructor is for that and for benchmarks)."""
+    def __init__(self, ranks: list[int], rank: int, cpu_group_timeout: float | None, model_backend: str = "gloo",
+                 model_group: dist.ProcessGroup | None = None, model_device: str = "cpu") -> None:
+        """`ranks`: the group's global ranks, by tensor-parallel rank; `rank`: this process's tensor-parallel rank;
+        `model_group`: the process group the model's forward does its collectives on, from tensors on
+        `model_device` (a device type). Use `of_model` for a model transformers sharded (this constructor is for
+        that and for benchmarks)."""
         self.size = len(ranks)
         self.rank = rank
         self.is_driver = rank == 0
@@ -78,6 +82,11 @@ class TensorParallelGroup:
             use_local_synchronization=len(ranks) < dist.get_world_size(),
         )
         self.broken: str | None = None
+        self.model_group = model_group
+        self.model_device = model_device
+        # How many collectives this rank's last forward issued on the model's group (`counting_collectives`); every
+        # exchange carries it, so the ranks notice a forward that stopped short of a collective on one of them.
+        self.last_forward_collectives = 0
         # Set by `join_group`: the group's `StepChannel` (every rank), the driver's end of it (rank 0; else None).
         self.channel = None
         self.driver_link = None
@@ -99,7 +108,59 @@ class TensorParallelGroup:
         check_kv_heads(model, mesh.size())
         model_group = mesh.get_group()
         return cls(dist.get_process_group_ranks(model_group), mesh.get_local_rank(), cpu_group_timeout,
-                   dist.get_backend(model_group))
+                   dist.get_backend(model_group), model_group, next(model.parameters()).device.type)
+
+    def collectives_issued(self) -> int:
+        """How many collectives this rank has issued on the model's process group (its sequence number; 0 without
+        one)."""
+        if self.model_group is None:
+            return 0
+        return int(self.model_group._get_sequence_number_for_group())
+
+    @contextmanager
+    def counting_collectives(self) -> Iterator[None]:
+        """Around one forward: record in `last_forward_collectives` how many collectives it issued, also when it
+        raised. Every rank's forward of the same plan issues the same collectives, unless one raised before a
+        collective the others entered: then the counts differ, the model's group is out of step (its next
+        collectives would pair with the wrong ones), and the next exchange ends the group on every rank
+        (`Received.group_failure`). Collectives outside the forwards (a user's weight broadcast inside a pause) are
+        not counted, so they cannot be mistaken for a failure."""
+        before = self.collectives_issued()
+        try:
+            yield
+        finally:
+            self.last_forward_collectives = self.collectives_issued() - before
+
+    @contextmanager
+    def bounded_model_collectives(self) -> Iterator[None]:
+        """While this rank's loop runs: a collective of the model's forward waits at most half of
+        cpu_group_timeout (never longer than the model group's own timeout). A rank whose forward raised before a
+        collective goes on to the next exchange and waits there up to cpu_group_timeout; a rank blocked in that
+        collective gets its error first, comes to the same exchange, and both read that the group is out of step,
+        instead of one waiting out the model group's timeout (torch's default: 30 minutes on gloo). The model
+        group's own timeout is restored when the loop ends."""
+        own = self._model_group_timeout()
+        bounded = timedelta(seconds=self.timeout_s / 2)
+        if own is None or own <= bounded:
+            yield
+            return
+        dist.set_timeout(bounded, self.model_group)
+        try:
+            yield
+        finally:
+            try:
+                dist.set_timeout(own, self.model_group)
+            except (RuntimeError, ValueError) as error:  # the group was torn down meanwhile
+                logger.debug(f"cbcore: restoring the model group's timeout: {error}")
+
+    def _model_group_timeout(self) -> timedelta | None:
+        """The model group's current timeout, where its backend says it (gloo and NCCL do); None otherwise."""
+        if self.model_group is None:
+            return None
+        try:
+            return self.model_group._get_backend(torch.device(self.model_device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            return None
 
     def agree_min(self, values: list[int], what: str) -> list[int]:
         """The smallest of each value over the ranks (block counts: the driver's block ids must exist everywhere)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import queue
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -101,7 +101,9 @@ class GenerationLoop:
         self._steps_at_start = engine.counters["steps"]
         failure: BaseException | None = None
         try:
-            with torch.inference_mode(use_inference_mode):
+            with torch.inference_mode(use_inference_mode), (
+                group.bounded_model_collectives() if group is not None else nullcontext()
+            ):
                 engine.notice_weight_changes()  # since the last session of a kept manager
                 if link is not None:
                     link.start_session(engine)
