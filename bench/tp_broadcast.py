@@ -8,7 +8,7 @@ a block table of ceil(context / page_size) blocks. Medians over 200 steps after 
 
 With `--compare-inline`, each row is also run with the payload always broadcast on its own (the channel's
 `MAX_INLINE` set to 0: two collectives per step), interleaved with the default (one collective when the plan fits
-the header's inline room).
+the header's inline room, at most `MAX_INLINE` ints).
 
     python bench/tp_broadcast.py [--context 512] [--page-size 16] [--steps 200] [--compare-inline]
 """
@@ -43,6 +43,9 @@ def decode_step(num_requests: int, context: int, page_size: int) -> StepPlan:
                                     True) for i in range(num_requests)])
 
 
+DEFAULT_MAX_INLINE = channel_module.MAX_INLINE  # the channel's own threshold: inline up to it, then a broadcast
+
+
 def _rank(rank: int, port: int, args, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -52,7 +55,7 @@ def _rank(rank: int, port: int, args, results) -> None:
     for num_requests in RUNNING:
         plan = decode_step(num_requests, args.context, args.page_size)
         for run, mode in [(run, mode) for run in range(3) for mode in modes]:
-            channel_module.MAX_INLINE = (1 << 16) if mode == "inline" else 0
+            channel_module.MAX_INLINE = DEFAULT_MAX_INLINE if mode == "inline" else 0
             channel = StepChannel(group)  # a fresh inline room: the warm-up steps size it
             encode_us, exchange_us, decode_us, sizes = [], [], [], []
             for step in range(WARMUP + args.steps):
