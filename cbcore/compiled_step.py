@@ -21,6 +21,13 @@ The levels:
        compile one graph per token count, and level 3 keeps them dynamic
 `CBCORE_COMPILE=0` turns compilation off whatever the config says (a switch for debugging a compiled run).
 
+Guards: the step is compiled without Dynamo's guards on the model's modules (their attributes and parameters;
+`torch.compiler.skip_guard_on_all_nn_modules_unsafe`), which cost more than the rest of Dynamo's work in a step; the
+guards on the step's inputs and on globals stay. cbcore checks the model's structure itself, once per session
+(cbcore/structure_fingerprint.py), and compiles again when it changed; this also catches what Dynamo never guards,
+module hooks added after compiling. A config whose options name their own `guard_filter_fn` keeps it;
+`CBCORE_COMPILE_MODULE_GUARDS=1` keeps Dynamo's module guards.
+
 `warmup()` compiles ahead of the first request: it runs each compiled function on a few token counts (1, 2 and 3
 tokens, with one and with several emitting rows), with an attention that answers zeros and touches no cache, so every
 graph a real step needs exists before a request arrives; the time it took is logged and kept in the manager's
@@ -30,6 +37,7 @@ reuse the first one's graphs (their warm-up then takes milliseconds).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import types
@@ -42,6 +50,7 @@ from transformers.generation.configuration_utils import CompileConfig
 from . import attention
 from .ops import custom_ops  # noqa: F401 - registers torch.ops.cbcore.step_attention
 from .positions import TRACED_POSITIONS
+from .structure_fingerprint import structure_fingerprint
 from .switches import env_switch
 
 logger = logging.getLogger(__name__)
@@ -115,11 +124,16 @@ def _forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, position_id
     return logits
 
 
+MODULE_GUARDS_ENV = "CBCORE_COMPILE_MODULE_GUARDS"
+
+
 @dataclass
 class _Compiled:
     function: object  # the torch.compile wrapper
+    module_guards: bool  # compiled with Dynamo's guards on the model's modules
     seconds: float = 0.0  # spent compiling it ahead, every warm-up together
     warmed: bool = False  # a warm-up ran it on every shape once
+    fingerprint: int | None = None  # the model's structure_fingerprint when it was warmed
 
 
 def _graphs_compiled() -> int:
@@ -132,23 +146,31 @@ def _graphs_compiled() -> int:
 # `_forward_logits`'s code: Dynamo keeps its graphs (and counts them against its recompile limit) per code object, so
 # models and paths do not crowd each other out. The functions hold no reference to the model (it is an argument).
 _compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_FUNCTION_NUMBERS = itertools.count()  # names the functions' code objects, for Dynamo's logs
 
 
-def _compiled_function(model: torch.nn.Module, path: str, config: CompileConfig) -> _Compiled:
+def _compiled_function(model: torch.nn.Module, path: str, config: CompileConfig, again: bool = False) -> _Compiled:
+    """The compiled function of `model`'s `path` under `config`, made on first use; `again`: replace it by a new
+    one (the model's structure changed: the old one's graphs assume the old structure)."""
     options = config.to_dict()
     options.pop("_compile_all_devices", None)  # transformers' "compile everywhere" flag, not a torch.compile argument
+    module_guards = env_switch(MODULE_GUARDS_ENV, default=False) or "guard_filter_fn" in (options.get("options") or {})
+    key = (path, module_guards, repr(sorted(options.items(), key=lambda item: item[0])))
+    if not module_guards:
+        options["options"] = {**(options.get("options") or {}),
+                              "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
     if options.get("mode") is not None and options.get("options"):
         # torch.compile takes a mode or inductor options, not both: the mode's options, then the config's own.
         options["options"] = {**torch._inductor.list_mode_options(options["mode"]), **options["options"]}
         options["mode"] = None
     per_model = _compiled.setdefault(model, {})
-    key = (path, repr(sorted(options.items(), key=lambda item: item[0])))
-    if key not in per_model:
-        name = f"cbcore_{path}_step_{len(per_model)}"
+    if again or key not in per_model:
+        name = f"cbcore_{path}_step_{next(_FUNCTION_NUMBERS)}"
         code = _forward_logits.__code__.replace(co_name=name, co_qualname=name)
         function = types.FunctionType(code, _forward_logits.__globals__, name)
-        per_model[key] = _Compiled(torch.compile(function, **options))
+        per_model[key] = _Compiled(torch.compile(function, **options), module_guards)
     return per_model[key]
+
 
 
 def compile_seconds(model: torch.nn.Module) -> float:
@@ -177,6 +199,25 @@ class StepForward:
         """Whether either path is compiled."""
         return self._varlen is not None or self._decode is not None
 
+    def notice_structure_changes(self) -> bool:
+        """Whether the model's structure changed since its graphs were compiled (cbcore/structure_fingerprint.py);
+        if it did, each path gets a new compiled function, compiled by the next `warmup()`. Checked whether or not
+        the module guards were kept: Dynamo never guards on module hooks (`skip_nnmodule_hook_guards`), so a hook
+        added after compiling would otherwise be ignored. The model must be bound, as when it was compiled."""
+        fingerprint = None
+        changed = False
+        for path, config in (("varlen", self.varlen_config), ("decode", self.decode_config)):
+            compiled = getattr(self, f"_{path}")
+            if compiled is None or compiled.fingerprint is None:
+                continue
+            fingerprint = structure_fingerprint(self.model) if fingerprint is None else fingerprint
+            if compiled.fingerprint != fingerprint:
+                logger.info(f"cbcore: the model's structure changed since its {path} step was compiled; compiling "
+                            "it again")
+                setattr(self, f"_{path}", _compiled_function(self.model, path, config, again=True))
+                changed = True
+        return changed
+
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor,
                  step, decode_only: bool) -> torch.Tensor:
         """The logits `[1, rows, vocab]` of this step's forward (every row's for a model without logits_to_keep)."""
@@ -202,6 +243,7 @@ class StepForward:
         classes grows when a new model class is built, for one), in which case every shape is compiled again here,
         ahead, rather than in the first step."""
         device = self.model.device
+        self.notice_structure_changes()  # graphs an earlier engine compiled, for the model as it was then
         for path, compiled, shapes in (
             ("decode", self._decode, [(1, 1), (2, 2), (3, 3)]),
             ("varlen", self._varlen, [(2, 1), (3, 2), (3, 1), (4, 2), (4, 3)]),
@@ -224,6 +266,7 @@ class StepForward:
                 with attention.paged_step(attention.WarmupStep()):
                     compiled.function(self.model, input_ids, positions, rows if self.takes_logits_to_keep else None)
             compiled.warmed = True
+            compiled.fingerprint = structure_fingerprint(self.model)
             seconds = time.perf_counter() - began
             compiled.seconds += seconds
             setattr(self.report, f"{path}_seconds", seconds)

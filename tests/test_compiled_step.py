@@ -143,6 +143,44 @@ def test_weights_changed_during_a_pause_reach_the_compiled_step() -> None:
     assert got == [reference_tokens(model, p, greedy_config(6)) for p in prompts]
 
 
+@pytest.mark.parametrize("module_guards", ["0", "1"])
+def test_a_structure_change_reaches_the_compiled_step(module_guards: str, monkeypatch) -> None:
+    # The step is compiled without Dynamo's guards on the model's modules (or with them, CBCORE_COMPILE_MODULE_GUARDS
+    # =1; Dynamo never guards on hooks either way): cbcore's own structure check must see a module attribute set
+    # inside a pause, and a hook added between two managers, and compile again.
+    monkeypatch.setenv("CBCORE_COMPILE_MODULE_GUARDS", module_guards)
+    model = copy.deepcopy(tiny_model("llama_gqa"))
+    config = cbcore.ContinuousBatchingConfig(default_compile_level=1, page_size=8)
+    manager = cbcore.ContinuousBatchingManager(model, greedy_config(6), config)
+    prompts = random_prompts([9, 14], seed=6)
+    before = [reference_tokens(model, p, greedy_config(6)) for p in prompts]
+    manager.start()
+    try:
+        collect_outputs(manager, manager.add_requests(random_prompts([7, 12], seed=5)))
+        with manager.pause():
+            for module in model.modules():
+                if hasattr(module, "variance_epsilon"):  # the RMS norms: a plain attribute, a constant of the graph
+                    module.variance_epsilon = 1.0
+        request_ids = manager.add_requests(prompts)
+        outputs = collect_outputs(manager, request_ids)
+    finally:
+        manager.stop(block=True, timeout=60)
+    manager.destroy()
+    expected = [reference_tokens(model, p, greedy_config(6)) for p in prompts]
+    assert expected != before, "the attribute changes no token"
+    assert [outputs[r].generated_tokens for r in request_ids] == expected
+
+    def flip_sign(module, args, output):  # negated logits: the greedy token becomes the least likely one
+        return -output
+
+    hook = model.model.norm.register_forward_hook(flip_sign)
+    expected = [reference_tokens(model, p, greedy_config(6)) for p in prompts]
+    outputs, _ = run_engine(model, prompts, greedy_config(6), config)  # a new manager, as generate_batch makes
+    assert [o.generated_tokens for o in outputs.values()] == expected
+    hook.remove()
+    assert expected != [reference_tokens(model, p, greedy_config(6)) for p in prompts], "the hook changes no token"
+
+
 def test_level_zero_and_the_environment_switch_turn_compilation_off(monkeypatch) -> None:
     assert resolve_compile_configs(cbcore.ContinuousBatchingConfig()) == (None, None)
     assert resolve_compile_configs(cbcore.ContinuousBatchingConfig(default_compile_level=0)) == (None, None)

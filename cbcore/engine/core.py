@@ -385,7 +385,13 @@ class EngineCore:
         requests, so the prefix cache is invalidated. Weights can change only while the loop is parked or stopped,
         so the loop looks when it starts and when a pause is released, not every step. `changed_elsewhere`: another
         tensor-parallel rank's shard changed (its K/V shard is stale), so invalidate even if this one's did not.
-        Returns whether this process's parameters changed."""
+        Returns whether this process's parameters changed.
+
+        Also where the model's structure is checked (cbcore/structure_fingerprint.py: its compiled step assumes
+        it): a change (a hook added, a module's attribute set, a parameter of another shape) compiles the step
+        again, now, before the next step runs."""
+        if self.runner.step_forward.notice_structure_changes():
+            self.compile_ahead()
         signature = hash(tuple((id(p), p._version) for p in self.model.parameters()))
         changed = self._weights_signature is not None and signature != self._weights_signature
         if changed:
