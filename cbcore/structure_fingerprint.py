@@ -38,7 +38,8 @@ def structure_fingerprint(model: torch.nn.Module) -> int:
         hooks = tuple(len(getattr(module, hook, ())) for hook in _MODULE_HOOKS)
         parts.append((name, type(module).__qualname__, plain, hooks))
     first_name: dict[int, str] = {}
-    tensors = itertools.chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
+    tensors = itertools.chain(model.named_parameters(remove_duplicate=False),
+                              model.named_buffers(remove_duplicate=False))
     for name, tensor in tensors:
         tied_to = first_name.setdefault(id(tensor), name)
         parts.append((name, tied_to, tuple(tensor.shape), tuple(tensor.stride()), str(tensor.dtype), str(tensor.device),

@@ -130,16 +130,19 @@ def run_padded_generate(model, workload: Workload, gen: GenerationConfig, batch_
     return {"tokens": tokens, "token_times": times, "wall_s": wall, "prefilled_tokens": prefilled}
 
 
-def run_generate_batch(model, workload: Workload, gen: GenerationConfig, cb_config=None) -> dict[str, Any]:
+def run_generate_batch(model, workload: Workload, gen: GenerationConfig, cb_config=None, count_prefill: bool = True
+                       ) -> dict[str, Any]:
     """`model.generate_batch` (cbcore's when the model was passed through `cbcore.enable`, else transformers'). The
     warm-up call compiles the step when `cb_config` asks for it: its graphs are kept per model, so the timed call
-    reuses them."""
+    reuses them. `count_prefill`: count the forwards' tokens with a hook; not for a compiled step, whose graph would
+    not run the hook's Python (and adding a hook after compiling makes cbcore compile again, in the timed call)."""
     model.generate_batch([p[:8] for p in workload.prompts[:2]], gen, cb_config, max_new_tokens=4)  # warm-up
-    counter = ForwardTokenCounter(model)
+    counter = ForwardTokenCounter(model) if count_prefill else None
     t0 = time.perf_counter()
     outputs = model.generate_batch(workload.prompts, gen, cb_config, record_timestamps=True)
     wall = time.perf_counter() - t0
-    counter.remove()
+    if counter is not None:
+        counter.remove()
     ordered = list(outputs.values())
     if len(ordered) != len(workload.prompts):
         raise RuntimeError(f"generate_batch returned {len(ordered)} outputs for {len(workload.prompts)} requests")
@@ -150,8 +153,7 @@ def run_generate_batch(model, workload: Workload, gen: GenerationConfig, cb_conf
     times = [[s - t0 for s in (o.timestamps or [])] for o in ordered]
     # Every generated token but the last is fed back once as a one-token decode query; the rest is prefill.
     decode_queries = sum(max(len(t) - 1, 0) for t in tokens)
-    # The counter is a forward hook, which a compiled step's graph does not run: -1 says "not counted".
-    prefilled = counter.tokens - decode_queries if counter.tokens else -1
+    prefilled = counter.tokens - decode_queries if counter is not None and counter.tokens else -1  # -1: not counted
     return {"tokens": tokens, "token_times": times, "wall_s": wall, "prefilled_tokens": prefilled}
 
 
@@ -176,7 +178,8 @@ def run_peer(spec: dict[str, Any]) -> dict[str, Any]:
 
             cbcore.enable(model)
             level = spec.get("compile_level", 0)
-            result = run_generate_batch(model, workload, gen, cbcore.ContinuousBatchingConfig(default_compile_level=level))
+            config = cbcore.ContinuousBatchingConfig(default_compile_level=level)
+            result = run_generate_batch(model, workload, gen, config, count_prefill=level == 0)
             result["compile_level"], result["compile_s"] = level, compile_seconds(model)
             return result
         if peer == "transformers":
