@@ -130,7 +130,6 @@ MODULE_GUARDS_ENV = "CBCORE_COMPILE_MODULE_GUARDS"
 @dataclass
 class _Compiled:
     function: object  # the torch.compile wrapper
-    module_guards: bool  # compiled with Dynamo's guards on the model's modules
     seconds: float = 0.0  # spent compiling it ahead, every warm-up together
     warmed: bool = False  # a warm-up ran it on every shape once
     fingerprint: int | None = None  # the model's structure_fingerprint when it was warmed
@@ -168,9 +167,8 @@ def _compiled_function(model: torch.nn.Module, path: str, config: CompileConfig,
         name = f"cbcore_{path}_step_{next(_FUNCTION_NUMBERS)}"
         code = _forward_logits.__code__.replace(co_name=name, co_qualname=name)
         function = types.FunctionType(code, _forward_logits.__globals__, name)
-        per_model[key] = _Compiled(torch.compile(function, **options), module_guards)
+        per_model[key] = _Compiled(torch.compile(function, **options))
     return per_model[key]
-
 
 
 def compile_seconds(model: torch.nn.Module) -> float:
