@@ -137,7 +137,7 @@ class TensorParallelGroup:
         cpu_group_timeout (never longer than the model group's own timeout). A rank whose forward raised before a
         collective goes on to the next exchange and waits there up to cpu_group_timeout; a rank blocked in that
         collective gets its error first, comes to the same exchange, and both read that the group is out of step,
-        instead of one waiting out the model group's timeout (torch's default: 30 minutes on gloo). The model
+        instead of one waiting out the model group's timeout (transformers initializes it with 2 hours). The model
         group's own timeout is restored when the loop ends."""
         own = self._model_group_timeout()
         bounded = timedelta(seconds=self.timeout_s / 2)
