@@ -197,12 +197,12 @@ class StepForward:
         """Whether either path is compiled."""
         return self._varlen is not None or self._decode is not None
 
-    def notice_structure_changes(self) -> bool:
+    def notice_structure_changes(self, fingerprint: int | None = None) -> bool:
         """Whether the model's structure changed since its graphs were compiled (cbcore/structure_fingerprint.py);
         if it did, each path gets a new compiled function, compiled by the next `warmup()`. Checked whether or not
         the module guards were kept: Dynamo never guards on module hooks (`skip_nnmodule_hook_guards`), so a hook
-        added after compiling would otherwise be ignored. The model must be bound, as when it was compiled."""
-        fingerprint = None
+        added after compiling would otherwise be ignored. The model must be bound, as when it was compiled.
+        `fingerprint`: the model's, when the caller has it already."""
         changed = False
         for path, config in (("varlen", self.varlen_config), ("decode", self.decode_config)):
             compiled = getattr(self, f"_{path}")
@@ -241,7 +241,10 @@ class StepForward:
         classes grows when a new model class is built, for one), in which case every shape is compiled again here,
         ahead, rather than in the first step."""
         device = self.model.device
-        self.notice_structure_changes()  # graphs an earlier engine compiled, for the model as it was then
+        # Graphs an earlier engine compiled, for the model as it was then. Warming up changes no structure: the one
+        # fingerprint is also what the warmed functions record.
+        fingerprint = structure_fingerprint(self.model)
+        self.notice_structure_changes(fingerprint)
         for path, compiled, shapes in (
             ("decode", self._decode, [(1, 1), (2, 2), (3, 3)]),
             ("varlen", self._varlen, [(2, 1), (3, 2), (3, 1), (4, 2), (4, 3)]),
@@ -264,7 +267,7 @@ class StepForward:
                 with attention.paged_step(attention.WarmupStep()):
                     compiled.function(self.model, input_ids, positions, rows if self.takes_logits_to_keep else None)
             compiled.warmed = True
-            compiled.fingerprint = structure_fingerprint(self.model)
+            compiled.fingerprint = fingerprint
             seconds = time.perf_counter() - began
             compiled.seconds += seconds
             setattr(self.report, f"{path}_seconds", seconds)

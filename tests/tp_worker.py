@@ -225,62 +225,19 @@ def pause_on_one_rank(model_dir: str, backend: str, rank: int, sync) -> dict:
     return seen
 
 
-def failure_on_one_rank(model_dir: str, backend: str, rank: int, sync) -> dict:
-    """Rank 1's forward raises after its collectives (the driver's does not): the driver's requests end FAILED
-    naming rank 1's error, and both loops end."""
-    import cbcore
-
-    model = _load(model_dir, backend)
-    config = cbcore.ContinuousBatchingConfig(num_blocks=32, page_size=4, cpu_offload_space=0, cpu_group_timeout=30)
-    manager = cbcore.ContinuousBatchingManager(model, _greedy(10_000), config)
-    manager.start()
-    if rank == 1:
-        runner = manager.engine.runner
-        real_forward = runner.forward
-        calls = []
-
-        def failing_forward(plan, step_hook=None):
-            result = real_forward(plan, step_hook)  # every collective of the step done: the driver's forward ends
-            calls.append(1)
-            if len(calls) == 3:
-                raise RuntimeError("injected failure on rank 1")
-            return result
-
-        runner.forward = failing_forward
-    seen: dict = {}
-    if rank == 0:
-        request_id = manager.add_request(PAUSE_PROMPT, max_new_tokens=50)
-        final = _collect(manager, [request_id])[request_id]
-        seen["request_status"], seen["request_error"] = final["status"], final["error"]
-    _wait_until_stopped(manager)
-    seen["error"] = str(manager.background_thread_status.fatal_error)
-    manager.destroy()
-    return seen
-
-
-FAILING_BEFORE_COLLECTIVES_TIMEOUT_S = 8
-
-
-def failure_before_collectives(failing_rank: int, model_dir: str, backend: str, rank: int, sync) -> dict:
-    """`failing_rank`'s forward raises before its first collective, which the other rank's forward enters and
-    waits in: both ranks end with the same error, which says the group is out of step, within cpu_group_timeout
-    (far sooner than the world group's WAIT_S timeout, which the blocked collective would otherwise wait out)."""
+def _fail_one_forward(model_dir: str, backend: str, rank: int, cpu_group_timeout: float, inject) -> dict:
+    """Start a manager on every rank, let `inject(manager, model)` (called on the failing rank only) make one of its
+    forwards raise, serve one request from the driver and wait for both loops to end: what each rank saw (the
+    driver: its request's status and error, and how long it took to end)."""
     import cbcore
 
     model = _load(model_dir, backend)
     config = cbcore.ContinuousBatchingConfig(num_blocks=32, page_size=4, cpu_offload_space=0,
-                                             cpu_group_timeout=FAILING_BEFORE_COLLECTIVES_TIMEOUT_S)
+                                             cpu_group_timeout=cpu_group_timeout)
     manager = cbcore.ContinuousBatchingManager(model, _greedy(10_000), config)
     manager.start()
-    if rank == failing_rank:
-        calls = []
-
-        def fail_the_third_forward(module, args):  # the embedding runs before any of the forward's collectives
-            calls.append(1)
-            if len(calls) == 3:
-                raise RuntimeError(f"injected failure on rank {rank}")
-
-        model.get_input_embeddings().register_forward_pre_hook(fail_the_third_forward)
+    if inject is not None:
+        inject(manager, model)
     seen: dict = {}
     if rank == 0:
         started = time.monotonic()
@@ -292,6 +249,50 @@ def failure_before_collectives(failing_rank: int, model_dir: str, backend: str, 
     seen["error"] = str(manager.background_thread_status.fatal_error)
     manager.destroy()
     return seen
+
+
+def _raise_on_third_call(rank: int):
+    """A function that raises this rank's injected failure on its third call."""
+    calls = []
+
+    def maybe_raise() -> None:
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError(f"injected failure on rank {rank}")
+    return maybe_raise
+
+
+def failure_on_one_rank(model_dir: str, backend: str, rank: int, sync) -> dict:
+    """Rank 1's forward raises after its collectives (the driver's does not): the driver's requests end FAILED
+    naming rank 1's error, and both loops end."""
+    def after_the_forward(manager, model):
+        runner = manager.engine.runner
+        real_forward, maybe_raise = runner.forward, _raise_on_third_call(rank)
+
+        def failing_forward(plan, step_hook=None):
+            result = real_forward(plan, step_hook)  # every collective of the step done: the driver's forward ends
+            maybe_raise()
+            return result
+
+        runner.forward = failing_forward
+
+    return _fail_one_forward(model_dir, backend, rank, 30, after_the_forward if rank == 1 else None)
+
+
+FAILING_BEFORE_COLLECTIVES_TIMEOUT_S = 8
+
+
+def failure_before_collectives(failing_rank: int, model_dir: str, backend: str, rank: int, sync) -> dict:
+    """`failing_rank`'s forward raises before its first collective, which the other rank's forward enters and
+    waits in: both ranks end with the same error, which says the group is out of step, within cpu_group_timeout
+    (far sooner than the world group's WAIT_S timeout, which the blocked collective would otherwise wait out)."""
+    def before_the_collectives(manager, model):
+        maybe_raise = _raise_on_third_call(rank)
+        # The embedding runs before any of the forward's collectives.
+        model.get_input_embeddings().register_forward_pre_hook(lambda module, args: maybe_raise())
+
+    return _fail_one_forward(model_dir, backend, rank, FAILING_BEFORE_COLLECTIVES_TIMEOUT_S,
+                             before_the_collectives if rank == failing_rank else None)
 
 
 SCENARIOS = {"serve": serve, "pause_on_one_rank": pause_on_one_rank, "failure_on_one_rank": failure_on_one_rank,
