@@ -147,6 +147,25 @@ void run_items(int64_t num_items, int64_t total_cost, const F& work) {
   });
 }
 
+// run_items, each thread taking its next item before it runs the current one: work(i, following, scratch) knows
+// the item it runs after i (-1: none), so that i's last tile can prefetch following's first. Taking one item early
+// leaves the other threads at most one (the smallest: items come sorted by cost) more to wait for at the end.
+template <typename F>
+void run_items_with_next(int64_t num_items, int64_t total_cost, const F& work) {
+  if (num_items == 0) return;
+  int64_t threads = std::min<int64_t>(at::get_num_threads(), num_items);
+  threads = std::max<int64_t>(1, std::min(threads, total_cost / kMinCostPerThread));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    std::vector<float> scratch;
+    for (int64_t i = next.fetch_add(1); i < num_items;) {
+      const int64_t following = next.fetch_add(1);
+      work(i, following < num_items ? following : -1, scratch);
+      i = following;
+    }
+  });
+}
+
 namespace generic {
 #include "attention/cpu_attention_kernels.inc"
 }  // namespace generic
