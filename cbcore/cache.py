@@ -61,7 +61,7 @@ def zeroed_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     every `generate_batch` to zero, most of it for pages prefix sharing never uses. The tensor keeps the mapping
     alive and unmaps it when it is freed. Zeros (not `torch.empty`'s leftovers) because a freed engine's memory may
     be reused for the next and a kernel must never meet a NaN in a page it masks out."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes < LAZY_ZERO_MIN_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

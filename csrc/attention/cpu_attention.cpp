@@ -133,15 +133,20 @@ struct PrefillItem {
 // the pool costs more than it saves.
 constexpr int64_t kMinCostPerThread = 4096;
 
+// How many threads a parallel region over num_items items of total_cost takes: at most one per item, and one per
+// kMinCostPerThread of work.
+int64_t item_threads(int64_t num_items, int64_t total_cost) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), num_items);
+  return std::max<int64_t>(1, std::min(threads, total_cost / kMinCostPerThread));
+}
+
 // Runs work(i, scratch) for every item i, items taken in order from a shared counter by up to
 // at::get_num_threads() threads (dynamic scheduling: items are ragged). Each thread reuses one scratch buffer.
 template <typename F>
 void run_items(int64_t num_items, int64_t total_cost, const F& work) {
   if (num_items == 0) return;
-  int64_t threads = std::min<int64_t>(at::get_num_threads(), num_items);
-  threads = std::max<int64_t>(1, std::min(threads, total_cost / kMinCostPerThread));
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, item_threads(num_items, total_cost), 1, [&](int64_t, int64_t) {
     std::vector<float> scratch;
     for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) work(i, scratch);
   });
@@ -153,10 +158,8 @@ void run_items(int64_t num_items, int64_t total_cost, const F& work) {
 template <typename F>
 void run_items_with_next(int64_t num_items, int64_t total_cost, const F& work) {
   if (num_items == 0) return;
-  int64_t threads = std::min<int64_t>(at::get_num_threads(), num_items);
-  threads = std::max<int64_t>(1, std::min(threads, total_cost / kMinCostPerThread));
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, item_threads(num_items, total_cost), 1, [&](int64_t, int64_t) {
     std::vector<float> scratch;
     for (int64_t i = next.fetch_add(1); i < num_items;) {
       const int64_t following = next.fetch_add(1);
