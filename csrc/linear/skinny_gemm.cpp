@@ -1,0 +1,321 @@
+// The skinny matmul: x[M, K] @ W[N, K].T (+ b) for the few rows of a decode step, with W packed once into panels.
+//
+// Why: a decode step's linear layers multiply a handful of rows (16 on average in W4) by every weight of the model.
+// oneDNN's blocked fp32 matmul reaches 90-150 GFLOP/s on those shapes here and reads its weights at 11-18 GB/s
+// (bench/results/linear_cpu.md), short of both the FMA rate (~230 GFLOP/s on two cores) and the memory (~25-30
+// GB/s): at 16 rows the two bounds are about equal, and its small-M kernels reach neither. This kernel streams each
+// weight exactly once per call, in the order it lies in memory, with every row of x riding on each load.
+//
+// Layout. W is cut into panels of 16 output columns (the last one zero-padded):
+//   fp32: panels[p][k][j]    = W[16p + j][k]                    ([P, K, 16] floats)
+//   bf16: panels[p][k2][j][e] = W[16p + j][2 k2 + e]            ([P, ceil(K/2), 16, 2] bf16, K padded with zeros)
+// so one 64-byte load gives 16 columns of one k (fp32) or of a pair of k (bf16, the operand layout of vdpbf16ps).
+// x is copied into blocks of 16 rows, k-major ([K][16] floats, or [K/2][16] bf16 pairs), so the value a row
+// multiplies at k is a broadcast from one cache line.
+//
+// Compute. A tile is MR rows (<= 16) x NB panels (<= 4) of accumulators in registers, over the whole K: per k, NB
+// weight loads and MR broadcasts feed MR x NB FMAs (vdpbf16ps: two k each, summed in fp32). Few rows take more
+// panels at once so that enough independent accumulators hide the FMA latency. Each thread takes a contiguous
+// range of panels; per group of four panels it runs every row block, so the weights come from memory once and
+// from L1/L2 for the other row blocks. The sum over k is in order, in fp32; the bias is added after it, as
+// F.linear's addmm does; bf16 outputs are rounded to nearest even once, at the end.
+#include "linear/skinny_gemm.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define CBCORE_SKINNY_AVX512 1
+#include <immintrin.h>
+#else
+#define CBCORE_SKINNY_AVX512 0
+#endif
+
+namespace cbcore {
+namespace skinny {
+namespace {
+
+constexpr int64_t kPanel = 16;      // output columns per panel
+constexpr int64_t kRowBlock = 16;   // rows of x per block
+constexpr int64_t kPanelGroup = 4;  // panels a thread's loop takes together (every row block runs over them)
+// Rows a pass over a thread's panels takes: the row blocks of one pass stay in L2 while the weights stream past
+// them (at 128 rows and K = 1536 fp32, 768 KB); more rows take more passes.
+constexpr int64_t kRowChunk = 128;
+// How far ahead of its loads a tile prefetches the weights, into L2: one prefetch per 64-byte load, 8 KB (128
+// lines) ahead. Without it the weights came at 15 GB/s; 2 KB into L1 gave 18-20, 8 KB into L2 20-22 (a W4-shaped
+// step of linears, bench/test_bench_linear.py).
+constexpr int64_t kPrefetchBytes = 8192;
+// Below this many FLOPs per thread a call stays on fewer threads: waking a thread costs ~10 us.
+constexpr int64_t kMinFlopsPerThread = 2'000'000;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+uint16_t bf16_bits(const at::BFloat16 v) { return v.x; }
+
+}  // namespace
+
+#if CBCORE_SKINNY_AVX512
+#define CB_SKINNY_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+// GCC 12 warns inside its own AVX-512 headers (the "undefined" pass-through source of unmasked intrinsics).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+namespace {
+
+// The accumulators of a tile, stored: bias added, columns past `cols` left alone; fp32 out.
+template <int MR, int NB>
+CB_SKINNY_TARGET inline void store_tile(const __m512 (&acc)[MR][NB], float* out, int64_t ldo, int64_t cols,
+                                        const float* bias) {
+  for (int n = 0; n < NB; ++n) {
+    const int64_t left = cols - n * kPanel;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n * kPanel) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(out + m * ldo + n * kPanel, mask, _mm512_add_ps(acc[m][n], b));
+  }
+}
+
+// The same for bf16 out: bias (bf16, widened) added in fp32, then one rounding to nearest even.
+template <int MR, int NB>
+CB_SKINNY_TARGET inline void store_tile(const __m512 (&acc)[MR][NB], uint16_t* out, int64_t ldo, int64_t cols,
+                                        const uint16_t* bias) {
+  for (int n = 0; n < NB; ++n) {
+    const int64_t left = cols - n * kPanel;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    __m512 b = _mm512_setzero_ps();
+    if (bias) {
+      const __m256i raw = _mm256_maskz_loadu_epi16(mask, bias + n * kPanel);
+      b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_add_ps(acc[m][n], b));
+      _mm256_mask_storeu_epi16(out + m * ldo + n * kPanel, mask, reinterpret_cast<const __m256i&>(rounded));
+    }
+  }
+}
+
+// MR rows x NB panels over all of K. xb: the row block ([K][16] floats); w: the first panel ([K][16]), the others
+// `panel_stride` floats apart.
+template <int MR, int NB>
+CB_SKINNY_TARGET void tile_f32(const float* xb, const float* w, int64_t panel_stride, int64_t K, float* out,
+                               int64_t ldo, int64_t cols, const float* bias) {
+  __m512 acc[MR][NB];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 wv[NB];
+    for (int n = 0; n < NB; ++n) {
+      wv[n] = _mm512_loadu_ps(w + n * panel_stride + k * kPanel);
+      _mm_prefetch(reinterpret_cast<const char*>(w + n * panel_stride + k * kPanel) + kPrefetchBytes, _MM_HINT_T1);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = _mm512_set1_ps(xb[k * kRowBlock + m]);
+      for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_fmadd_ps(xv, wv[n], acc[m][n]);
+    }
+  }
+  store_tile<MR, NB>(acc, out, ldo, cols, bias);
+}
+
+// bf16: xb is the row block as pairs ([K2][16] x 32 bits), w the panels as [K2][16][2] bf16 (32 bits a column).
+template <int MR, int NB>
+CB_SKINNY_TARGET void tile_bf16(const uint32_t* xb, const uint32_t* w, int64_t panel_stride, int64_t K2,
+                                uint16_t* out, int64_t ldo, int64_t cols, const uint16_t* bias) {
+  __m512 acc[MR][NB];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K2; ++k) {
+    __m512bh wv[NB];
+    for (int n = 0; n < NB; ++n) {
+      const __m512i raw = _mm512_loadu_si512(w + n * panel_stride + k * kPanel);
+      wv[n] = reinterpret_cast<const __m512bh&>(raw);
+      _mm_prefetch(reinterpret_cast<const char*>(w + n * panel_stride + k * kPanel) + kPrefetchBytes, _MM_HINT_T1);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m512i pair = _mm512_set1_epi32(static_cast<int>(xb[k * kRowBlock + m]));
+      const __m512bh xv = reinterpret_cast<const __m512bh&>(pair);
+      for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], xv, wv[n]);
+    }
+  }
+  store_tile<MR, NB>(acc, out, ldo, cols, bias);
+}
+
+// How many panels a tile of `rows` rows takes at once: enough accumulators (>= 8) for the FMA latency, at most 16
+// of them (24 at 12 rows) plus the weights and a broadcast in 32 registers.
+constexpr int panels_for_rows(int rows) { return rows >= 8 ? (rows >= 13 ? 1 : 2) : (rows >= 4 ? 2 : 4); }
+
+template <typename Scalar, typename Word>
+using TileFn = void (*)(const Word*, const Word*, int64_t, int64_t, Scalar*, int64_t, int64_t, const Scalar*);
+
+// table[rows - 1][log2(panels)]: every (rows, panels) a call can take, panels_for_rows(rows) and the narrower
+// tiles of a group's last panels.
+template <typename Scalar, typename Word, template <int, int> class Tile>
+struct TileTable {
+  TileFn<Scalar, Word> fn[kRowBlock][3];
+  template <int MR>
+  constexpr void fill() {
+    fn[MR - 1][0] = &Tile<MR, 1>::run;
+    fn[MR - 1][1] = &Tile<MR, 2>::run;
+    fn[MR - 1][2] = &Tile<MR, 4>::run;
+    if constexpr (MR < kRowBlock) fill<MR + 1>();
+  }
+  constexpr TileTable() : fn{} { fill<1>(); }
+};
+
+template <int MR, int NB>
+struct TileF32 {
+  CB_SKINNY_TARGET static void run(const float* xb, const float* w, int64_t ps, int64_t K, float* out, int64_t ldo,
+                                   int64_t cols, const float* bias) {
+    tile_f32<MR, NB>(xb, w, ps, K, out, ldo, cols, bias);
+  }
+};
+template <int MR, int NB>
+struct TileBf16 {
+  CB_SKINNY_TARGET static void run(const uint32_t* xb, const uint32_t* w, int64_t ps, int64_t K2, uint16_t* out,
+                                   int64_t ldo, int64_t cols, const uint16_t* bias) {
+    tile_bf16<MR, NB>(xb, w, ps, K2, out, ldo, cols, bias);
+  }
+};
+
+constexpr TileTable<float, float, TileF32> kTilesF32{};
+constexpr TileTable<uint16_t, uint32_t, TileBf16> kTilesBf16{};
+
+// Runs every tile: threads over contiguous panel ranges, per group of kPanelGroup panels every row block.
+// xblocks: [row_blocks][depth][16] words; panels: [P][depth][16] words; out [M, N].
+template <typename Scalar, typename Word>
+void run_tiles(const TileFn<Scalar, Word> (&table)[kRowBlock][3], const Word* xblocks, const Word* panels,
+               int64_t depth, int64_t M, int64_t N, Scalar* out, const Scalar* bias, int64_t flops) {
+  const int64_t P = ceil_div(N, kPanel);
+  const int64_t panel_stride = depth * kPanel;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), flops / kMinFlopsPerThread));
+  const int64_t grain = ceil_div(P, threads);
+  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+    for (int64_t c0 = 0; c0 < M; c0 += kRowChunk) {
+      const int64_t c_end = std::min(M, c0 + kRowChunk);
+      for (int64_t g = p0; g < p1; g += kPanelGroup) {
+        const int64_t g_end = std::min(g + kPanelGroup, p1);
+        for (int64_t r0 = c0; r0 < c_end; r0 += kRowBlock) {
+          const int64_t rows = std::min(kRowBlock, M - r0);
+          const int want = panels_for_rows(static_cast<int>(rows));
+          const Word* xb = xblocks + (r0 / kRowBlock) * depth * kRowBlock;
+          for (int64_t p = g; p < g_end;) {
+            int nb = want;
+            while (nb > g_end - p) nb /= 2;  // the group's last panels: a narrower tile
+            const int64_t col0 = p * kPanel;
+            const int64_t cols = std::min<int64_t>(nb * kPanel, N - col0);
+            table[rows - 1][nb == 4 ? 2 : nb - 1](xb, panels + p * panel_stride, panel_stride, depth,
+                                                   out + r0 * N + col0, N, cols, bias ? bias + col0 : nullptr);
+            p += nb;
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+#pragma GCC diagnostic pop
+#endif  // CBCORE_SKINNY_AVX512
+
+bool available(at::ScalarType dtype) {
+#if CBCORE_SKINNY_AVX512
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                      __builtin_cpu_supports("fma");
+  if (dtype == at::kFloat) return avx512;
+  if (dtype == at::kBFloat16) return avx512 && __builtin_cpu_supports("avx512bf16");
+#endif
+  (void)dtype;
+  return false;
+}
+
+at::Tensor pack(const at::Tensor& weight) {
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.device().is_cpu(), "skinny_gemm.pack: the weight must be a 2-D CPU tensor");
+  const at::Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), P = ceil_div(N, kPanel);
+  if (w.scalar_type() == at::kFloat) {
+    at::Tensor panels = at::zeros({P, K, kPanel}, w.options());
+    const float* src = w.const_data_ptr<float>();
+    float* dst = panels.mutable_data_ptr<float>();
+    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p)
+        for (int64_t j = 0; j < kPanel && p * kPanel + j < N; ++j)
+          for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * kPanel + j] = src[(p * kPanel + j) * K + k];
+    });
+    return panels;
+  }
+  TORCH_CHECK_VALUE(w.scalar_type() == at::kBFloat16, "skinny_gemm.pack: float32 or bfloat16 weights only, got ",
+                    w.scalar_type());
+  const int64_t K2 = ceil_div(K, 2);
+  at::Tensor panels = at::zeros({P, K2, kPanel, 2}, w.options());
+  const at::BFloat16* src = w.const_data_ptr<at::BFloat16>();
+  at::BFloat16* dst = panels.mutable_data_ptr<at::BFloat16>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t j = 0; j < kPanel && p * kPanel + j < N; ++j)
+        for (int64_t k = 0; k < K; ++k) dst[((p * K2 + k / 2) * kPanel + j) * 2 + k % 2] = src[(p * kPanel + j) * K + k];
+  });
+  return panels;
+}
+
+at::Tensor matmul(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
+                  const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.stride(1) == 1, "skinny_gemm.matmul: x must be [M, K] with contiguous rows");
+  TORCH_CHECK_VALUE(x.scalar_type() == panels.scalar_type(), "skinny_gemm.matmul: x is ", x.scalar_type(),
+                    ", the panels ", panels.scalar_type());
+  TORCH_CHECK(available(x.scalar_type()), "skinny_gemm.matmul: this CPU has no skinny matmul for ", x.scalar_type());
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  const int64_t blocks = ceil_div(M, kRowBlock);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+#if CBCORE_SKINNY_AVX512
+  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  TORCH_CHECK_VALUE(!b.defined() || (b.numel() == N && b.scalar_type() == x.scalar_type()),
+                    "skinny_gemm.matmul: the bias must have ", N, " values of ", x.scalar_type());
+  const int64_t flops = 2 * M * K * N;
+  const int64_t ldx = x.stride(0);
+  if (x.scalar_type() == at::kFloat) {
+    TORCH_CHECK_VALUE(panels.dim() == 3 && panels.size(1) == K && panels.size(0) == ceil_div(N, kPanel),
+                      "skinny_gemm.matmul: panels ", panels.sizes(), " do not fit x ", x.sizes(), " and N ", N);
+    // [blocks][K][16], rows past M zero.
+    std::vector<float> xblocks(static_cast<size_t>(blocks * K * kRowBlock), 0.0f);
+    const float* src = x.const_data_ptr<float>();
+    for (int64_t r = 0; r < M; ++r) {
+      float* dst = xblocks.data() + (r / kRowBlock) * K * kRowBlock + r % kRowBlock;
+      for (int64_t k = 0; k < K; ++k) dst[k * kRowBlock] = src[r * ldx + k];
+    }
+    run_tiles<float, float>(kTilesF32.fn, xblocks.data(), panels.const_data_ptr<float>(), K, M, N,
+                            out.mutable_data_ptr<float>(), b.defined() ? b.const_data_ptr<float>() : nullptr, flops);
+    return out;
+  }
+  const int64_t K2 = ceil_div(K, 2);
+  TORCH_CHECK_VALUE(panels.dim() == 4 && panels.size(1) == K2 && panels.size(0) == ceil_div(N, kPanel),
+                    "skinny_gemm.matmul: panels ", panels.sizes(), " do not fit x ", x.sizes(), " and N ", N);
+  // [blocks][K2][16] pairs of bf16 (the first k in the low half), an odd K's last pair and rows past M zero.
+  std::vector<uint32_t> xblocks(static_cast<size_t>(blocks * K2 * kRowBlock), 0u);
+  const at::BFloat16* src = x.const_data_ptr<at::BFloat16>();
+  for (int64_t r = 0; r < M; ++r) {
+    uint32_t* dst = xblocks.data() + (r / kRowBlock) * K2 * kRowBlock + r % kRowBlock;
+    const at::BFloat16* row = src + r * ldx;
+    for (int64_t k2 = 0; k2 < K / 2; ++k2)
+      dst[k2 * kRowBlock] = static_cast<uint32_t>(bf16_bits(row[2 * k2])) |
+                            (static_cast<uint32_t>(bf16_bits(row[2 * k2 + 1])) << 16);
+    if (K % 2) dst[(K2 - 1) * kRowBlock] = bf16_bits(row[K - 1]);
+  }
+  const uint16_t* bias_bits = b.defined() ? reinterpret_cast<const uint16_t*>(b.const_data_ptr<at::BFloat16>()) : nullptr;
+  run_tiles<uint16_t, uint32_t>(kTilesBf16.fn, xblocks.data(),
+                                reinterpret_cast<const uint32_t*>(panels.const_data_ptr<at::BFloat16>()), K2, M, N,
+                                reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>()), bias_bits, flops);
+  return out;
+#else
+  (void)bias;
+  (void)blocks;
+  TORCH_CHECK(false, "skinny_gemm.matmul: not built for this CPU");
+#endif
+}
+
+}  // namespace skinny
+}  // namespace cbcore

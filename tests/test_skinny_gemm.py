@@ -1,0 +1,85 @@
+"""The skinny matmul (csrc/linear/skinny_gemm.cpp) against a plain-torch reference: every row count a tile takes
+(1..16 rows, and row blocks past 16 and past a 128-row pass), odd column counts that end inside a panel, odd K (a
+bf16 pair half padded), bias or none, rows with a stride; and the packed linear op using it where the CPU runs it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cbcore.linear import SKINNY_GEMM_ENV, PackedLinears, packing_available
+from cbcore.attention import paged_step
+
+_C = pytest.importorskip("cbcore._C")
+
+
+def _available(dtype: torch.dtype) -> bool:
+    return hasattr(_C, "skinny_available") and _C.skinny_available(dtype)
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    out = x.double() @ w.double().T
+    return out if b is None else out + b.double()
+
+
+ROWS = [1, 2, 3, 4, 7, 8, 12, 13, 16, 17, 33, 64, 150]
+SHAPES = [(1, 1), (7, 15), (64, 16), (65, 17), (577, 200)]  # (K, N)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_matmul_matches_the_reference(dtype, rows, shape, bias) -> None:
+    if not _available(dtype):
+        pytest.skip(f"this CPU has no skinny matmul for {dtype}")
+    K, N = shape
+    generator = torch.Generator().manual_seed(rows * 1000 + K + N)
+    w = torch.randn(N, K, generator=generator).to(dtype)
+    b = torch.randn(N, generator=generator).to(dtype) if bias else None
+    # Rows with a stride: a view of every other row of a wider tensor, as a slice of a merged projection can be.
+    x = torch.randn(rows, K + 3, generator=generator).to(dtype)[:, 1:K + 1]
+    out = _C.skinny_matmul(x, _C.skinny_pack(w), N, b)
+    assert out.shape == (rows, N) and out.dtype == dtype
+    expected = _reference(x, w, b)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5 * K)
+    else:  # fp32 sums, one rounding to bf16 at the end: within one bf16 step (2^-8 relative) of the exact value
+        torch.testing.assert_close(out.double(), expected.to(dtype).double(), rtol=2 ** -7, atol=1e-3 * K ** 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_skinny_matmul_refuses_what_does_not_fit(dtype) -> None:
+    if not _available(dtype):
+        pytest.skip(f"this CPU has no skinny matmul for {dtype}")
+    w = torch.randn(20, 8).to(dtype)
+    panels = _C.skinny_pack(w)
+    with pytest.raises(ValueError, match="do not fit"):
+        _C.skinny_matmul(torch.randn(3, 9).to(dtype), panels, 20)
+    with pytest.raises(ValueError, match="bias"):
+        _C.skinny_matmul(torch.randn(3, 8).to(dtype), panels, 20, torch.randn(19).to(dtype))
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    with pytest.raises(ValueError, match="x is"):
+        _C.skinny_matmul(torch.randn(3, 8).to(other), panels, 20)
+
+
+@pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear ops")
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("skinny", ["1", "0"])
+def test_the_packed_linear_runs_the_skinny_matmul_where_the_cpu_has_it(monkeypatch, dtype, tolerance, skinny) -> None:
+    """On by default where available, oneDNN's blocked layout with CBCORE_SKINNY_GEMM=0; the same result both ways."""
+    monkeypatch.setenv(SKINNY_GEMM_ENV, skinny)
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(96, 40, bias=True)).to(dtype)
+    packed = PackedLinears.attach(layer)
+    try:
+        handle = layer[0]._cbcore_member.group.handle
+        assert _C.packed_linear_is_skinny(handle) == (skinny == "1" and _available(dtype))
+        for rows in (1, 16, 300):
+            x = torch.randn(rows, 96, dtype=dtype)
+            with paged_step():
+                inside = layer(x)
+            expected = torch.nn.functional.linear(x, layer[0].weight, layer[0].bias)
+            assert torch.allclose(inside.float(), expected.float(), rtol=tolerance, atol=tolerance)
+    finally:
+        packed.detach()
