@@ -1,11 +1,19 @@
-"""Microbenchmarks behind two CPU choices of the engine (cbcore/linear.py and the loop thread's thread count):
+"""Microbenchmarks behind the CPU choices of the engine (cbcore/linear.py and the loop thread's thread count):
 
 1. Linear layers: `F.linear` (MKL in torch's x86 builds) against the oneDNN matmul on a weight reordered once
-   (`torch.ops.mkldnn._reorder_linear_weight` + `_linear_pointwise`, what `PackedLinears` runs), on the shapes of a
-   step of the bench's 32M Llama: M = rows of the step (64: a decode step of W1; 512: a prefill chunk), K x N = the
-   model's projections (512x512 q/o, 512x256 k/v, 512x1408 gate/up, 1408x512 down, 512x8192 lm_head).
-   GFLOP/s = 2 M K N / time. fp32 and bf16.
-2. Threads: the same small op mix (a 64x512x1408 linear and a SiLU-multiply) timed in the main thread, in a freshly
+   (`torch.ops.mkldnn._reorder_linear_weight` + `_linear_pointwise`) and cbcore's skinny matmul on its panels
+   (`_C.skinny_pack` + `_C.skinny_matmul`, csrc/linear/skinny_gemm.cpp; `PackedLinears` runs it where the CPU has
+   AVX-512, and AVX512-BF16 for bf16, else oneDNN's), on the shapes of a step of the bench's 32M Llama: M = rows of
+   the step (16: a W3 decode step; 64: a W1 decode step; 512: a prefill chunk), K x N = the model's projections
+   (512x512 q/o, 512x256 k/v, 512x1408 gate/up, 1408x512 down, 512x8192 lm_head). The weight is the same every call,
+   so it stays in cache where it fits. GFLOP/s = 2 M K N / time. fp32 and bf16.
+2. A W4 decode step's linears, weights cold: the default model's (SmolLM2-135M) 30 layers of merged q/k/v
+   (576x960), o (576x576), merged gate/up (576x3072) and down (1536x576), then its 576x49152 LM head, one call each
+   in that order (538 MB of fp32 weights, 269 MB of bf16: none stays in the 32 MB L3 between steps), at 16 rows
+   (W4's average decode batch) and 64. oneDNN and the skinny matmul alternate, 9 rounds, medians; GB/s = the
+   weights' bytes / time, to set against the machine's read bandwidth (~25-30 GB/s,
+   bench/results/kernels_cpu.md).
+3. Threads: the same small op mix (a 64x512x1408 linear and a SiLU-multiply) timed in the main thread, in a freshly
    started Python thread, and in a fresh thread that first calls `torch.set_num_threads` with the caller's count (what
    the manager's loop thread does).
 
@@ -27,16 +35,29 @@ import torch
 
 from cbcore.linear import packing_available
 
+try:
+    from cbcore import _C
+except ImportError:  # pragma: no cover - the package is built before the bench runs
+    _C = None
+
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear ops")
 
 THREADS = int(os.environ.get("CBCORE_BENCH_THREADS", os.cpu_count() or 1))
 RESULTS_DIR = Path(os.environ.get("CBCORE_BENCH_RESULTS", Path(__file__).resolve().parent / "results"))
 COMMAND = "python -m pytest bench/test_bench_linear.py --benchmark-only -q"
 PROJECTIONS = [(512, 512), (512, 256), (512, 1408), (1408, 512), (512, 8192)]  # (K, N)
-ROWS = [64, 512]
+ROWS = [16, 64, 512]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+IMPLEMENTATIONS = ["F.linear", "oneDNN packed", "skinny"]
+W4_PROJECTIONS = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N) per layer, 30 layers
+W4_LM_HEAD = (576, 49152)
 LINEAR_RESULTS: dict[tuple, dict[str, float]] = {}
+STEP_RESULTS: dict[tuple, dict[str, tuple[float, float, float]]] = {}  # (dtype, rows) -> impl -> (ms, GFLOP/s, GB/s)
 THREAD_RESULTS: dict[str, float] = {}
+
+
+def _skinny_available(dtype: torch.dtype) -> bool:
+    return _C is not None and hasattr(_C, "skinny_available") and _C.skinny_available(dtype)
 
 
 @pytest.fixture(autouse=True)
@@ -50,13 +71,18 @@ def _threads():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("k, n", PROJECTIONS)
-@pytest.mark.parametrize("implementation", ["F.linear", "oneDNN packed"])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_linear(benchmark, implementation, k, n, rows, dtype) -> None:
+    if implementation == "skinny" and not _skinny_available(DTYPES[dtype]):
+        pytest.skip(f"this CPU has no skinny matmul for {dtype}")
     torch.manual_seed(0)
     x = torch.randn(rows, k, dtype=DTYPES[dtype])
     w = torch.randn(n, k, dtype=DTYPES[dtype]) / k**0.5
     if implementation == "F.linear":
         run = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
+    elif implementation == "skinny":
+        panels = _C.skinny_pack(w)
+        run = lambda: _C.skinny_matmul(x, panels, n)  # noqa: E731
     else:
         packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
         run = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # noqa: E731
@@ -66,6 +92,46 @@ def test_linear(benchmark, implementation, k, n, rows, dtype) -> None:
     gflops = 2 * rows * k * n / benchmark.stats.stats.median / 1e9
     benchmark.extra_info["gflops"] = gflops
     LINEAR_RESULTS.setdefault((dtype, rows, k, n), {})[implementation] = gflops
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [16, 64])
+def test_w4_decode_step_linears(benchmark, rows, dtype) -> None:
+    if not _skinny_available(DTYPES[dtype]):
+        pytest.skip(f"this CPU has no skinny matmul for {dtype}")
+    torch.manual_seed(0)
+    shapes = W4_PROJECTIONS * 30 + [W4_LM_HEAD]
+    weights = [torch.randn(n, k, dtype=DTYPES[dtype]) / k**0.5 for k, n in shapes]
+    inputs = {k: torch.randn(rows, k, dtype=DTYPES[dtype]) for k, _ in shapes}
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+    panels = [_C.skinny_pack(w) for w in weights]
+    runs = {
+        "oneDNN packed": lambda: [torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
+                                  for w, p in zip(weights, onednn)],
+        "skinny": lambda: [_C.skinny_matmul(inputs[w.shape[1]], p, w.shape[0]) for w, p in zip(weights, panels)],
+    }
+    tolerance = 1e-4 if dtype == "fp32" else 3e-2
+    for name, run in runs.items():  # also the warm-up
+        out = run()
+        for i in (0, 3, len(weights) - 1):
+            expected = torch.nn.functional.linear(inputs[weights[i].shape[1]], weights[i])
+            assert torch.allclose(out[i].float(), expected.float(), rtol=tolerance, atol=tolerance), (name, i)
+
+    def measure() -> dict[str, list[float]]:
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(9):  # interleaved: the machine drifts between runs
+            for name, run in runs.items():
+                start = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - start)
+        return times
+
+    times = benchmark.pedantic(measure, rounds=1, iterations=1)
+    flops = sum(2 * rows * w.numel() for w in weights)
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    for name, found in times.items():
+        median = sorted(found)[len(found) // 2]
+        STEP_RESULTS.setdefault((dtype, rows), {})[name] = (median * 1e3, flops / median / 1e9, nbytes / median / 1e9)
 
 
 def _op_mix_seconds(iterations: int = 1500) -> float:
@@ -113,13 +179,23 @@ def _write_report():
         "",
         f"`{COMMAND}`, {THREADS} threads, torch {torch.__version__}. See the module docstring for the shapes.",
         "",
-        "| dtype | M | K x N | F.linear GFLOP/s | oneDNN packed GFLOP/s | packed / F.linear |",
-        "|---|---:|---|---:|---:|---:|",
+        "| dtype | M | K x N | F.linear GFLOP/s | oneDNN packed GFLOP/s | skinny GFLOP/s | oneDNN / F.linear | skinny / oneDNN |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for (dtype, rows, k, n), found in sorted(LINEAR_RESULTS.items()):
-        if len(found) == 2:
-            plain, packed = found["F.linear"], found["oneDNN packed"]
-            lines.append(f"| {dtype} | {rows} | {k}x{n} | {plain:.0f} | {packed:.0f} | {packed / plain:.2f} |")
+        if "F.linear" in found and "oneDNN packed" in found:
+            plain, packed, skinny = found["F.linear"], found["oneDNN packed"], found.get("skinny")
+            skinny_gflops, skinny_ratio = (f"{skinny:.0f}", f"{skinny / packed:.2f}") if skinny else ("-", "-")
+            lines.append(f"| {dtype} | {rows} | {k}x{n} | {plain:.0f} | {packed:.0f} | {skinny_gflops} | "
+                         f"{packed / plain:.2f} | {skinny_ratio} |")
+    if STEP_RESULTS:
+        lines += ["", "A W4 decode step's linears, weights cold (median of 9 interleaved rounds):", "",
+                  "| dtype | M | oneDNN ms | oneDNN GFLOP/s | oneDNN GB/s | skinny ms | skinny GFLOP/s | skinny GB/s | "
+                  "oneDNN / skinny time |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for (dtype, rows), found in sorted(STEP_RESULTS.items()):
+            (a_ms, a_gf, a_gb), (b_ms, b_gf, b_gb) = found["oneDNN packed"], found["skinny"]
+            lines.append(f"| {dtype} | {rows} | {a_ms:.1f} | {a_gf:.0f} | {a_gb:.1f} | {b_ms:.1f} | {b_gf:.0f} | "
+                         f"{b_gb:.1f} | {a_ms / b_ms:.2f}x |")
     base = THREAD_RESULTS.get("main thread")
     lines += ["", "| where the op mix runs | seconds | vs main thread |", "|---|---:|---:|"]
     for where, seconds in THREAD_RESULTS.items():

@@ -11,9 +11,11 @@ their concatenated weights reads the input once and gives oneDNN one wide matrix
 A decode step multiplies few rows (16 on average in W4) by every weight of the model, a shape where oneDNN reaches
 neither the FMA rate nor the memory's: there cbcore's own skinny matmul (csrc/linear/skinny_gemm.cpp: weights in
 16-column panels streamed once per call with prefetches, AVX-512 fp32 FMAs or AVX512-BF16 `vdpbf16ps`) runs the
-linears of a W4-shaped decode step 1.3-1.8x faster in fp32 and ~1.6x in bf16, and a prefill's hundreds of rows
-within ~10% of oneDNN. It takes the place of the oneDNN copy wherever the CPU has the instructions for the dtype
-(`_C.skinny_available`), so the packed weights still cost one copy.
+linears of a W4-shaped decode step 1.6x faster in fp32 and 1.7x in bf16 (`bench/results/linear_cpu.md`). Where the
+CPU has the instructions for the dtype (`_C.skinny_available`) it replaces oneDNN's copy of an fp32 weight (on a
+prefill's hundreds of rows it matches oneDNN in fp32: still one copy); a bf16 weight keeps oneDNN's copy as well,
+for calls of more than 64 rows, where the skinny matmul reached only 0.8-0.95 of oneDNN (a second copy, of half
+the bytes of fp32's).
 
 How: `PackedLinears.attach(model)` (called when the manager binds the model) packs every CPU fp32/bf16
 `nn.Linear` weight (into the skinny matmul's panels, or with `torch.ops.mkldnn._reorder_linear_weight`), the members of a merge group (`MERGE_GROUPS`:
@@ -36,7 +38,7 @@ Weights changed in place (an optimizer step between two `generate_batch` calls, 
 by the op: it keeps the source tensors with their `_version` counters and reorders again when one moved. Weights
 replaced by other tensors are seen when the engine looks for weight changes (when its loop starts and when a pause is
 released: `PackedLinears.refresh`). Memory: the packed copy costs one more copy of the linear weights while a manager
-runs.
+runs (in bf16 with the skinny matmul, two copies of the bf16 weights).
 
 Numerics: oneDNN sums in a different order than MKL, as any change of batch shape already does; greedy parity with
 `model.generate` is tested with it on. `CBCORE_PACKED_LINEAR=0` turns packing off (read at attach), and

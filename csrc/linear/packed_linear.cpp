@@ -1,7 +1,9 @@
 // torch.ops.cbcore.packed_linear(x, handle): x @ W.T + b for a weight packed once, looked up by an integer handle:
 // into the skinny matmul's panels where the CPU runs it for the dtype (csrc/linear/skinny_gemm.cpp: AVX-512, and
-// AVX512-BF16 for bf16), else into oneDNN's blocked layout. One copy either way; the skinny matmul serves every
-// row count, within ~10% of oneDNN on a prefill's hundreds of rows and 1.1-1.6x faster on a decode's few.
+// AVX512-BF16 for bf16), else into oneDNN's blocked layout. On a decode step's few rows the skinny matmul is
+// 1.1-1.7x oneDNN's (bench/results/linear_cpu.md). On a prefill's hundreds of rows it matches oneDNN in fp32, so an
+// fp32 weight keeps only its panels (one copy, as before); in bf16 it reaches 0.8-0.95 of oneDNN there, so a bf16
+// weight keeps oneDNN's copy too (a second copy of half the bytes) and rows past kSkinnyMaxBf16Rows run on it.
 // A handle rather than the packed tensor (cbcore/linear.py says why: inductor takes no packed oneDNN weight as a
 // graph input, so the compiled step passes a handle). A C++ kernel rather than a Python custom op: the dispatcher calls it
 // directly, where a Python custom op cost ~35 us a call (a third of a small decode matmul's time).
@@ -33,8 +35,9 @@ struct PackedLinear {
   std::vector<at::Tensor> weights;  // the sources, [out_i, in] each
   std::vector<at::Tensor> biases;   // [out_i] each, or empty
   std::vector<int64_t> versions;    // of weights then biases, when packed
-  bool skinny = false;              // packed for the skinny matmul (csrc/linear/skinny_gemm.cpp), else for oneDNN
-  at::Tensor packed_weight;         // cat(weights) in the skinny matmul's panels or oneDNN's blocked layout
+  bool skinny = false;              // packed for the skinny matmul (csrc/linear/skinny_gemm.cpp)
+  at::Tensor panels;                // cat(weights) in the skinny matmul's panels, when skinny
+  at::Tensor packed_weight;         // cat(weights) in oneDNN's blocked layout, unless skinny and fp32
   std::optional<at::Tensor> packed_bias;
   int64_t in_features = 0;
   int64_t out_features = 0;
@@ -63,13 +66,18 @@ struct PackedLinear {
                               .typed<at::Tensor(const at::Tensor&, std::optional<c10::SymInt>)>();
     at::NoGradGuard no_grad;
     const at::Tensor weight = weights.size() == 1 ? weights[0].detach() : at::cat(weights).detach();
-    packed_weight = skinny ? skinny::pack(weight) : reorder.call(weight, std::nullopt);
+    panels = skinny ? skinny::pack(weight) : at::Tensor();
+    packed_weight = skinny && weight.scalar_type() == at::kFloat ? at::Tensor() : reorder.call(weight, std::nullopt);
     packed_bias = biases.empty() ? std::nullopt
                                  : std::optional<at::Tensor>(biases.size() == 1 ? biases[0].detach()
                                                                                 : at::cat(biases).detach());
     versions = current_versions();
   }
 };
+
+// The most rows a bf16 call runs on the skinny matmul when oneDNN's copy is there too: at 64 rows the skinny matmul
+// was 1.1x oneDNN on a W4-shaped step, at 128 0.94x.
+constexpr int64_t kSkinnyMaxBf16Rows = 64;
 
 std::mutex registry_mutex;
 std::unordered_map<int64_t, std::shared_ptr<PackedLinear>> registry;
@@ -98,9 +106,9 @@ at::Tensor packed_linear(const at::Tensor& x, int64_t handle) {
   at::Tensor rows = x.reshape({-1, entry->in_features});
   static const c10::List<std::optional<c10::Scalar>> no_scalars;
   at::Tensor out;
-  if (entry->skinny) {  // checks x's dtype against the panels'
+  if (entry->skinny && (rows.size(0) <= kSkinnyMaxBf16Rows || !entry->packed_weight.defined())) {
     if (rows.stride(-1) != 1) rows = rows.contiguous();
-    out = skinny::matmul(rows, entry->packed_weight, entry->out_features, entry->packed_bias);
+    out = skinny::matmul(rows, entry->panels, entry->out_features, entry->packed_bias);  // checks x's dtype
   } else {
     out = linear.call(rows, entry->packed_weight, entry->packed_bias, "none", no_scalars, std::nullopt);
   }
