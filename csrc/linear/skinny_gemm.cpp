@@ -2,9 +2,11 @@
 //
 // Why: a decode step's linear layers multiply a handful of rows (16 on average in W4) by every weight of the model.
 // oneDNN's blocked fp32 matmul reaches 90-150 GFLOP/s on those shapes here and reads its weights at 11-18 GB/s
-// (bench/results/linear_cpu.md), short of both the FMA rate (~230 GFLOP/s on two cores) and the memory (~25-30
+// (bench/results/linear_cpu.md), short of both the FMA rate (~220 GFLOP/s on two cores) and the memory (~25-30
 // GB/s): at 16 rows the two bounds are about equal, and its small-M kernels reach neither. This kernel streams each
-// weight exactly once per call, in the order it lies in memory, with every row of x riding on each load.
+// weight exactly once per call, in the order it lies in memory, with every row of x riding on each load, and
+// prefetches the weights 8 KB ahead into L2. It also serves a prefill's hundreds of rows, in passes of 128 rows, at
+// oneDNN's rate in fp32 and 0.8-0.95 of it in bf16 (csrc/linear/packed_linear.cpp says which calls take it).
 //
 // Layout. W is cut into panels of 16 output columns (the last one zero-padded):
 //   fp32: panels[p][k][j]    = W[16p + j][k]                    ([P, K, 16] floats)
@@ -28,7 +30,8 @@
 #include <cstring>
 #include <memory>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// AVX512-BF16's types and intrinsics came with GCC 10 and Clang 9; older compilers build without the skinny matmul.
+#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && __GNUC__ >= 10))
 #define CBCORE_SKINNY_AVX512 1
 #include <immintrin.h>
 #else
