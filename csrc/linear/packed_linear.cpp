@@ -1,9 +1,10 @@
 // torch.ops.cbcore.packed_linear(x, handle): x @ W.T + b for a weight packed once, looked up by an integer handle:
 // into the skinny matmul's panels where the CPU runs it for the dtype (csrc/linear/skinny_gemm.cpp: AVX-512, and
 // AVX512-BF16 for bf16), else into oneDNN's blocked layout. On a decode step's few rows the skinny matmul is
-// 1.1-1.7x oneDNN's (bench/results/linear_cpu.md). On a prefill's hundreds of rows it matches oneDNN in fp32, so an
-// fp32 weight keeps only its panels (one copy, as before); in bf16 it reaches 0.8-0.95 of oneDNN there, so a bf16
-// weight keeps oneDNN's copy too (a second copy of half the bytes) and rows past kSkinnyMaxBf16Rows run on it.
+// 1.1-1.7x oneDNN's (bench/results/linear_cpu.md). On a prefill's hundreds of rows it reaches 0.9-1.04x oneDNN in
+// fp32 on wide projections (0.64x at 256 columns), so an fp32 weight keeps only its panels (one copy, as before); in
+// bf16 it reaches 0.7-0.95 of oneDNN there, so a bf16 weight keeps oneDNN's copy too (a second copy of half the
+// bytes) and rows past kSkinnyMaxBf16Rows run on it.
 // A handle rather than the packed tensor (cbcore/linear.py says why: inductor takes no packed oneDNN weight as a
 // graph input, so the compiled step passes a handle). A C++ kernel rather than a Python custom op: the dispatcher calls it
 // directly, where a Python custom op cost ~35 us a call (a third of a small decode matmul's time).
