@@ -179,7 +179,8 @@ def _write_report():
         "",
         f"`{COMMAND}`, {THREADS} threads, torch {torch.__version__}. See the module docstring for the shapes.",
         "",
-        "| dtype | M | K x N | F.linear GFLOP/s | oneDNN packed GFLOP/s | skinny GFLOP/s | oneDNN / F.linear | skinny / oneDNN |",
+        "| dtype | M | K x N | F.linear GFLOP/s | oneDNN packed GFLOP/s | skinny GFLOP/s | oneDNN / F.linear | "
+        "skinny / oneDNN |",
         "|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for (dtype, rows, k, n), found in sorted(LINEAR_RESULTS.items()):

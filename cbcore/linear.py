@@ -18,9 +18,10 @@ a bf16 weight keeps oneDNN's copy as well, for calls of more than 64 rows, where
 0.7-0.95 of oneDNN (a second copy, of half the bytes of fp32's).
 
 How: `PackedLinears.attach(model)` (called when the manager binds the model) packs every CPU fp32/bf16
-`nn.Linear` weight (into the skinny matmul's panels, or with `torch.ops.mkldnn._reorder_linear_weight`), the members of a merge group (`MERGE_GROUPS`:
-sibling modules of those names, plain `nn.Linear`, one input size, dtype and bias kind) as one concatenated weight,
-and gives each module an instance-level `forward` that runs the packed matmul, but only inside a cbcore step
+`nn.Linear` weight (into the skinny matmul's panels, or with `torch.ops.mkldnn._reorder_linear_weight`), the
+members of a merge group (`MERGE_GROUPS`: sibling modules of those names, plain `nn.Linear`, one input size, dtype
+and bias kind) as one concatenated weight, and gives each module an instance-level `forward` that runs the packed
+matmul, but only inside a cbcore step
 (`attention.in_paged_step`, the same thread-local flag the attention uses, or a trace of the compiled step): a
 user's own forward, `model.generate` or a training step on another thread runs the module's own `forward`,
 untouched. In a group, the first member called computes the whole group's output for that input tensor and each

@@ -6,8 +6,8 @@
 // bf16 it reaches 0.7-0.95 of oneDNN there, so a bf16 weight keeps oneDNN's copy too (a second copy of half the
 // bytes) and rows past kSkinnyMaxBf16Rows run on it.
 // A handle rather than the packed tensor (cbcore/linear.py says why: inductor takes no packed oneDNN weight as a
-// graph input, so the compiled step passes a handle). A C++ kernel rather than a Python custom op: the dispatcher calls it
-// directly, where a Python custom op cost ~35 us a call (a third of a small decode matmul's time).
+// graph input, so the compiled step passes a handle). A C++ kernel rather than a Python custom op: the dispatcher
+// calls it directly, where a Python custom op cost ~35 us a call (a third of a small decode matmul's time).
 //
 // Each handle holds its source weights (one, or a merge group's siblings, concatenated in order) and biases with the
 // version counters they had when packed: a source changed in place (an optimizer step inside pause()) is seen here,
@@ -160,7 +160,8 @@ void register_packed_linear_bindings(pybind11::module_& m) {
   m.def("skinny_pack", &skinny::pack, pybind11::arg("weight"),
         "The skinny matmul's panels of a [N, K] float32 or bfloat16 weight.");
   m.def("skinny_matmul", &skinny::matmul, pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("out_features"),
-        pybind11::arg("bias") = std::nullopt, "x [M, K] @ W.T (+ bias) with panels = skinny_pack(W), W [out_features, K].");
+        pybind11::arg("bias") = std::nullopt,
+        "x [M, K] @ W.T (+ bias) with panels = skinny_pack(W), W [out_features, K].");
 }
 
 }  // namespace cbcore

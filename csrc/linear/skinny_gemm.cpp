@@ -260,7 +260,8 @@ bool available(at::ScalarType dtype) {
 }
 
 at::Tensor pack(const at::Tensor& weight) {
-  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.device().is_cpu(), "skinny_gemm.pack: the weight must be a 2-D CPU tensor");
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.device().is_cpu(),
+                    "skinny_gemm.pack: the weight must be a 2-D CPU tensor");
   const at::Tensor w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1), P = ceil_div(N, kPanel);
   if (w.scalar_type() == at::kFloat) {
@@ -283,7 +284,8 @@ at::Tensor pack(const at::Tensor& weight) {
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t j = 0; j < kPanel && p * kPanel + j < N; ++j)
-        for (int64_t k = 0; k < K; ++k) dst[((p * K2 + k / 2) * kPanel + j) * 2 + k % 2] = src[(p * kPanel + j) * K + k];
+        for (int64_t k = 0; k < K; ++k)
+          dst[((p * K2 + k / 2) * kPanel + j) * 2 + k % 2] = src[(p * kPanel + j) * K + k];
   });
   return panels;
 }
@@ -309,7 +311,8 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& panels, int64_t out_fea
                       "skinny_gemm.matmul: panels ", panels.sizes(), " do not fit x ", x.sizes(), " and N ", N);
     // [blocks][K][16], rows past M zero.
     const float* src = x.const_data_ptr<float>();
-    const std::unique_ptr<float[]> xblocks = row_blocks<float>(M, K, [&](int64_t r, int64_t k) { return src[r * ldx + k]; });
+    const std::unique_ptr<float[]> xblocks =
+        row_blocks<float>(M, K, [&](int64_t r, int64_t k) { return src[r * ldx + k]; });
     run_tiles<float, float>(kTilesF32.fn, xblocks.get(), panels.const_data_ptr<float>(), K, M, N,
                             out.mutable_data_ptr<float>(), b.defined() ? b.const_data_ptr<float>() : nullptr, flops);
     return out;
@@ -324,7 +327,8 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& panels, int64_t out_fea
     const uint32_t high = 2 * k2 + 1 < K ? static_cast<uint32_t>(bf16_bits(row[2 * k2 + 1])) << 16 : 0u;
     return static_cast<uint32_t>(bf16_bits(row[2 * k2])) | high;
   });
-  const uint16_t* bias_bits = b.defined() ? reinterpret_cast<const uint16_t*>(b.const_data_ptr<at::BFloat16>()) : nullptr;
+  const uint16_t* bias_bits =
+      b.defined() ? reinterpret_cast<const uint16_t*>(b.const_data_ptr<at::BFloat16>()) : nullptr;
   run_tiles<uint16_t, uint32_t>(kTilesBf16.fn, xblocks.get(),
                                 reinterpret_cast<const uint32_t*>(panels.const_data_ptr<at::BFloat16>()), K2, M, N,
                                 reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>()), bias_bits, flops);
