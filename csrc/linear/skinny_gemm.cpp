@@ -91,6 +91,11 @@ std::unique_ptr<Word[]> row_blocks(int64_t M, int64_t depth, const F& value) {
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 namespace {
 
+// The lanes of a panel's 16 columns that exist when `left` columns are left (all of them from 16 on).
+inline __mmask16 column_mask(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+}
+
 // The accumulators of a tile, stored: bias added, columns past `cols` left alone; fp32 out.
 template <int MR, int NB>
 CB_SKINNY_TARGET inline void store_tile(const __m512 (&acc)[MR][NB], float* out, int64_t ldo, int64_t cols,
@@ -98,7 +103,7 @@ CB_SKINNY_TARGET inline void store_tile(const __m512 (&acc)[MR][NB], float* out,
   for (int n = 0; n < NB; ++n) {
     const int64_t left = cols - n * kPanel;
     if (left <= 0) break;
-    const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    const __mmask16 mask = column_mask(left);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n * kPanel) : _mm512_setzero_ps();
     for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(out + m * ldo + n * kPanel, mask, _mm512_add_ps(acc[m][n], b));
   }
@@ -111,7 +116,7 @@ CB_SKINNY_TARGET inline void store_tile(const __m512 (&acc)[MR][NB], uint16_t* o
   for (int n = 0; n < NB; ++n) {
     const int64_t left = cols - n * kPanel;
     if (left <= 0) break;
-    const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    const __mmask16 mask = column_mask(left);
     __m512 b = _mm512_setzero_ps();
     if (bias) {
       const __m256i raw = _mm256_maskz_loadu_epi16(mask, bias + n * kPanel);
@@ -125,49 +130,55 @@ CB_SKINNY_TARGET inline void store_tile(const __m512 (&acc)[MR][NB], uint16_t* o
 }
 
 // MR rows x NB panels over all of K. xb: the row block ([K][16] floats); w: the first panel ([K][16]), the others
-// `panel_stride` floats apart.
+// `panel_stride` floats apart. A struct so that TileTable can take it as a template.
 template <int MR, int NB>
-CB_SKINNY_TARGET void tile_f32(const float* xb, const float* w, int64_t panel_stride, int64_t K, float* out,
-                               int64_t ldo, int64_t cols, const float* bias) {
-  __m512 acc[MR][NB];
-  for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    __m512 wv[NB];
-    for (int n = 0; n < NB; ++n) {
-      wv[n] = _mm512_loadu_ps(w + n * panel_stride + k * kPanel);
-      _mm_prefetch(reinterpret_cast<const char*>(w + n * panel_stride + k * kPanel) + kPrefetchBytes, _MM_HINT_T1);
+struct TileF32 {
+  CB_SKINNY_TARGET static void run(const float* xb, const float* w, int64_t panel_stride, int64_t K, float* out,
+                                   int64_t ldo, int64_t cols, const float* bias) {
+    __m512 acc[MR][NB];
+    for (int m = 0; m < MR; ++m)
+      for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+      __m512 wv[NB];
+      for (int n = 0; n < NB; ++n) {
+        const float* line = w + n * panel_stride + k * kPanel;
+        wv[n] = _mm512_loadu_ps(line);
+        _mm_prefetch(reinterpret_cast<const char*>(line) + kPrefetchBytes, _MM_HINT_T1);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m512 xv = _mm512_set1_ps(xb[k * kRowBlock + m]);
+        for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_fmadd_ps(xv, wv[n], acc[m][n]);
+      }
     }
-    for (int m = 0; m < MR; ++m) {
-      const __m512 xv = _mm512_set1_ps(xb[k * kRowBlock + m]);
-      for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_fmadd_ps(xv, wv[n], acc[m][n]);
-    }
+    store_tile<MR, NB>(acc, out, ldo, cols, bias);
   }
-  store_tile<MR, NB>(acc, out, ldo, cols, bias);
-}
+};
 
 // bf16: xb is the row block as pairs ([K2][16] x 32 bits), w the panels as [K2][16][2] bf16 (32 bits a column).
 template <int MR, int NB>
-CB_SKINNY_TARGET void tile_bf16(const uint32_t* xb, const uint32_t* w, int64_t panel_stride, int64_t K2,
-                                uint16_t* out, int64_t ldo, int64_t cols, const uint16_t* bias) {
-  __m512 acc[MR][NB];
-  for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K2; ++k) {
-    __m512bh wv[NB];
-    for (int n = 0; n < NB; ++n) {
-      const __m512i raw = _mm512_loadu_si512(w + n * panel_stride + k * kPanel);
-      wv[n] = reinterpret_cast<const __m512bh&>(raw);
-      _mm_prefetch(reinterpret_cast<const char*>(w + n * panel_stride + k * kPanel) + kPrefetchBytes, _MM_HINT_T1);
+struct TileBf16 {
+  CB_SKINNY_TARGET static void run(const uint32_t* xb, const uint32_t* w, int64_t panel_stride, int64_t K2,
+                                   uint16_t* out, int64_t ldo, int64_t cols, const uint16_t* bias) {
+    __m512 acc[MR][NB];
+    for (int m = 0; m < MR; ++m)
+      for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K2; ++k) {
+      __m512bh wv[NB];
+      for (int n = 0; n < NB; ++n) {
+        const uint32_t* line = w + n * panel_stride + k * kPanel;
+        const __m512i raw = _mm512_loadu_si512(line);
+        wv[n] = reinterpret_cast<const __m512bh&>(raw);
+        _mm_prefetch(reinterpret_cast<const char*>(line) + kPrefetchBytes, _MM_HINT_T1);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m512i pair = _mm512_set1_epi32(static_cast<int>(xb[k * kRowBlock + m]));
+        const __m512bh xv = reinterpret_cast<const __m512bh&>(pair);
+        for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], xv, wv[n]);
+      }
     }
-    for (int m = 0; m < MR; ++m) {
-      const __m512i pair = _mm512_set1_epi32(static_cast<int>(xb[k * kRowBlock + m]));
-      const __m512bh xv = reinterpret_cast<const __m512bh&>(pair);
-      for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], xv, wv[n]);
-    }
+    store_tile<MR, NB>(acc, out, ldo, cols, bias);
   }
-  store_tile<MR, NB>(acc, out, ldo, cols, bias);
-}
+};
 
 // How many panels a tile of `rows` rows takes at once: enough accumulators (>= 8) for the FMA latency, at most 16
 // of them (24 at 12 rows) plus the weights and a broadcast in 32 registers.
@@ -177,33 +188,18 @@ template <typename Scalar, typename Word>
 using TileFn = void (*)(const Word*, const Word*, int64_t, int64_t, Scalar*, int64_t, int64_t, const Scalar*);
 
 // table[rows - 1][log2(panels)]: every (rows, panels) a call can take, panels_for_rows(rows) and the narrower
-// tiles of a group's last panels.
+// tiles of a group's last panels; the wider ones (16 rows x 4 panels would not fit in the registers) stay null.
 template <typename Scalar, typename Word, template <int, int> class Tile>
 struct TileTable {
   TileFn<Scalar, Word> fn[kRowBlock][3];
   template <int MR>
   constexpr void fill() {
     fn[MR - 1][0] = &Tile<MR, 1>::run;
-    fn[MR - 1][1] = &Tile<MR, 2>::run;
-    fn[MR - 1][2] = &Tile<MR, 4>::run;
+    if constexpr (panels_for_rows(MR) >= 2) fn[MR - 1][1] = &Tile<MR, 2>::run;
+    if constexpr (panels_for_rows(MR) >= 4) fn[MR - 1][2] = &Tile<MR, 4>::run;
     if constexpr (MR < kRowBlock) fill<MR + 1>();
   }
   constexpr TileTable() : fn{} { fill<1>(); }
-};
-
-template <int MR, int NB>
-struct TileF32 {
-  CB_SKINNY_TARGET static void run(const float* xb, const float* w, int64_t ps, int64_t K, float* out, int64_t ldo,
-                                   int64_t cols, const float* bias) {
-    tile_f32<MR, NB>(xb, w, ps, K, out, ldo, cols, bias);
-  }
-};
-template <int MR, int NB>
-struct TileBf16 {
-  CB_SKINNY_TARGET static void run(const uint32_t* xb, const uint32_t* w, int64_t ps, int64_t K2, uint16_t* out,
-                                   int64_t ldo, int64_t cols, const uint16_t* bias) {
-    tile_bf16<MR, NB>(xb, w, ps, K2, out, ldo, cols, bias);
-  }
 };
 
 constexpr TileTable<float, float, TileF32> kTilesF32{};
@@ -248,12 +244,15 @@ void run_tiles(const TileFn<Scalar, Word> (&table)[kRowBlock][3], const Word* xb
 
 bool available(at::ScalarType dtype) {
 #if CBCORE_SKINNY_AVX512
-  __builtin_cpu_init();
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                      __builtin_cpu_supports("fma");
+  // Asked on every matmul: the CPU's answer, read once.
+  static const bool avx512 = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma");
+  }();
+  static const bool bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
   if (dtype == at::kFloat) return avx512;
-  if (dtype == at::kBFloat16) return avx512 && __builtin_cpu_supports("avx512bf16");
+  if (dtype == at::kBFloat16) return bf16;
 #endif
   (void)dtype;
   return false;
@@ -297,7 +296,6 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& panels, int64_t out_fea
                     ", the panels ", panels.scalar_type());
   TORCH_CHECK(available(x.scalar_type()), "skinny_gemm.matmul: this CPU has no skinny matmul for ", x.scalar_type());
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  const int64_t blocks = ceil_div(M, kRowBlock);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
 #if CBCORE_SKINNY_AVX512
@@ -335,7 +333,6 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& panels, int64_t out_fea
   return out;
 #else
   (void)bias;
-  (void)blocks;
   TORCH_CHECK(false, "skinny_gemm.matmul: not built for this CPU");
 #endif
 }
