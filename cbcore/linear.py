@@ -10,12 +10,14 @@ their concatenated weights reads the input once and gives oneDNN one wide matrix
 
 A decode step multiplies few rows (16 on average in W4) by every weight of the model, a shape where oneDNN reaches
 neither the FMA rate nor the memory's: there cbcore's own skinny matmul (csrc/linear/skinny_gemm.cpp: weights in
-16-column panels streamed once per call with prefetches, AVX-512 fp32 FMAs or AVX512-BF16 `vdpbf16ps`) runs the
-linears of a W4-shaped decode step 1.5-1.6x faster in fp32 and 1.7x in bf16 (`bench/results/linear_cpu.md`).
-Where the CPU has the instructions for the dtype (`_C.skinny_available`) it replaces oneDNN's copy of an fp32
-weight (on a prefill's hundreds of rows it reaches 0.9-1.04x oneDNN in fp32 on wide projections: still one copy);
-a bf16 weight keeps oneDNN's copy as well, for calls of more than 64 rows, where the skinny matmul reached only
-0.7-0.95 of oneDNN (a second copy, of half the bytes of fp32's).
+16-column panels streamed once per call with prefetches; AVX-512 fp32 FMAs or AVX512-BF16 `vdpbf16ps`, or AVX2
+FMAs on CPUs without AVX-512) runs the linears of a W4-shaped decode step 1.5-1.6x faster in fp32 and 1.7x in bf16
+on a Zen 4 (`bench/results/linear_cpu.md`). Where the CPU has the instructions (`_C.skinny_available`: AVX2 and FMA
+at least) it replaces oneDNN's copy of an fp32 weight (on a prefill's hundreds of rows it reaches 0.9-1.04x oneDNN
+in fp32 on wide projections: still one copy); a bf16 weight keeps oneDNN's copy as well where oneDNN packs bf16
+(AVX-512), for calls of more than 64 rows, where the skinny matmul reached only 0.7-0.95 of oneDNN (a second copy,
+of half the bytes of fp32's). On an AVX2-only CPU oneDNN packs no bf16 weight and torch's bf16 `F.linear` runs at
+~12-18 GFLOP/s: there every bf16 call runs the skinny matmul (60-150 GFLOP/s on a Zen 3).
 
 How: `PackedLinears.attach(model)` (called when the manager binds the model) packs every CPU fp32/bf16
 `nn.Linear` weight (into the skinny matmul's panels, or with `torch.ops.mkldnn._reorder_linear_weight`), the

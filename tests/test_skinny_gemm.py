@@ -1,6 +1,7 @@
 """The skinny matmul (csrc/linear/skinny_gemm.cpp) against a plain-torch reference: every row count a tile takes
 (1..16 rows, and row blocks past 16 and past a 128-row pass), odd column counts that end inside a panel, odd K (a
-bf16 pair half padded), bias or none, rows with a stride; and the packed linear op using it where the CPU runs it."""
+bf16 pair half padded), bias or none, rows with a stride, in each instruction set this CPU runs (AVX-512's tiles
+and AVX2's, forced with `_set_skinny_isa`); and the packed linear op using it where the CPU runs it."""
 
 from __future__ import annotations
 
@@ -17,6 +18,26 @@ def _available(dtype: torch.dtype) -> bool:
     return hasattr(_C, "skinny_available") and _C.skinny_available(dtype)
 
 
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs weights of `dtype` on this CPU (bf16 needs AVX-512 or AVX-NE-CONVERT)."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.randn(8, 8).to(dtype), None)
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.fixture(params=["auto", "avx2"])
+def isa(request):
+    """The instruction set the skinny matmul runs: the best this CPU has, then AVX2's tiles forced (skipped where
+    they are already the best)."""
+    if request.param == "avx2" and all(_C.skinny_isa(dtype) != "avx512" for dtype in (torch.float32, torch.bfloat16)):
+        pytest.skip("AVX2's tiles are this CPU's best: the auto case ran them")
+    _C._set_skinny_isa(request.param)
+    yield request.param
+    _C._set_skinny_isa("auto")
+
+
 def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     out = x.double() @ w.double().T
     return out if b is None else out + b.double()
@@ -30,7 +51,7 @@ SHAPES = [(1, 1), (7, 15), (64, 16), (65, 17), (577, 200)]  # (K, N)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_skinny_matmul_matches_the_reference(dtype, rows, shape, bias) -> None:
+def test_skinny_matmul_matches_the_reference(isa, dtype, rows, shape, bias) -> None:
     if not _available(dtype):
         pytest.skip(f"this CPU has no skinny matmul for {dtype}")
     K, N = shape
@@ -72,6 +93,9 @@ def test_the_packed_linear_runs_the_skinny_matmul_where_the_cpu_has_it(monkeypat
     torch.manual_seed(0)
     layer = torch.nn.Sequential(torch.nn.Linear(96, 40, bias=True)).to(dtype)
     packed = PackedLinears.attach(layer)
+    if packed is None:  # neither the skinny matmul (off, or not on this CPU) nor oneDNN packs this dtype here
+        assert not (skinny == "1" and _available(dtype)) and not _onednn_packs(dtype)
+        pytest.skip(f"nothing packs {dtype} on this CPU with {SKINNY_GEMM_ENV}={skinny}: F.linear runs")
     try:
         handle = layer[0]._cbcore_member.group.handle
         assert _C.packed_linear_is_skinny(handle) == (skinny == "1" and _available(dtype))
@@ -83,3 +107,12 @@ def test_the_packed_linear_runs_the_skinny_matmul_where_the_cpu_has_it(monkeypat
             assert torch.allclose(inside.float(), expected.float(), rtol=tolerance, atol=tolerance)
     finally:
         packed.detach()
+
+
+def test_the_instruction_set_is_reported_and_forced_by_name_only() -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        assert _C.skinny_isa(dtype) in ("avx512", "avx2", "none")
+        assert (_C.skinny_isa(dtype) != "none") == _available(dtype)
+    assert _C.skinny_isa(torch.float16) == "none"
+    with pytest.raises(ValueError, match="unknown instruction set"):
+        _C._set_skinny_isa("sse2")

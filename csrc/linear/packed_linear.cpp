@@ -1,6 +1,6 @@
 // torch.ops.cbcore.packed_linear(x, handle): x @ W.T + b for a weight packed once, looked up by an integer handle:
-// into the skinny matmul's panels where the CPU runs it for the dtype (csrc/linear/skinny_gemm.cpp: AVX-512, and
-// AVX512-BF16 for bf16), else into oneDNN's blocked layout. On a decode step's few rows the skinny matmul is
+// into the skinny matmul's panels where the CPU runs it for the dtype (csrc/linear/skinny_gemm.cpp: AVX-512 or
+// AVX2), else into oneDNN's blocked layout. On a decode step's few rows the skinny matmul is
 // 1.1-1.7x oneDNN's (bench/results/linear_cpu.md). On a prefill's hundreds of rows it reaches 0.9-1.04x oneDNN in
 // fp32 on wide projections (0.64x at 256 columns), so an fp32 weight keeps only its panels (one copy, as before); in
 // bf16 it reaches 0.7-0.95 of oneDNN there, so a bf16 weight keeps oneDNN's copy too (a second copy of half the
@@ -38,7 +38,7 @@ struct PackedLinear {
   std::vector<int64_t> versions;    // of weights then biases, when packed
   bool skinny = false;              // packed for the skinny matmul (csrc/linear/skinny_gemm.cpp)
   at::Tensor panels;                // cat(weights) in the skinny matmul's panels, when skinny
-  at::Tensor packed_weight;         // cat(weights) in oneDNN's blocked layout, unless skinny and fp32
+  at::Tensor packed_weight;         // cat(weights) in oneDNN's layout: unless skinny; bf16 skinny where oneDNN can
   std::optional<at::Tensor> packed_bias;
   int64_t in_features = 0;
   int64_t out_features = 0;
@@ -68,7 +68,17 @@ struct PackedLinear {
     at::NoGradGuard no_grad;
     const at::Tensor weight = weights.size() == 1 ? weights[0].detach() : at::cat(weights).detach();
     panels = skinny ? skinny::pack(weight) : at::Tensor();
-    packed_weight = skinny && weight.scalar_type() == at::kFloat ? at::Tensor() : reorder.call(weight, std::nullopt);
+    packed_weight = at::Tensor();
+    if (!skinny) {
+      packed_weight = reorder.call(weight, std::nullopt);  // a dtype oneDNN cannot pack here raises (Python falls back)
+    } else if (weight.scalar_type() != at::kFloat) {
+      // bf16's second copy, for calls of many rows, where oneDNN packs bf16 on this CPU (AVX-512 or AVX-NE-CONVERT);
+      // without it every call runs the skinny matmul.
+      try {
+        packed_weight = reorder.call(weight, std::nullopt);
+      } catch (const c10::Error&) {
+      }
+    }
     packed_bias = biases.empty() ? std::nullopt
                                  : std::optional<at::Tensor>(biases.size() == 1 ? biases[0].detach()
                                                                                 : at::cat(biases).detach());
@@ -157,6 +167,10 @@ void register_packed_linear_bindings(pybind11::module_& m) {
         "Forget the packed weight of `handle` (and release its sources); unknown handles are ignored.");
   m.def("skinny_available", [](at::ScalarType dtype) { return skinny::available(dtype); }, pybind11::arg("dtype"),
         "Whether this CPU runs the skinny matmul (csrc/linear/skinny_gemm.cpp) for weights of `dtype`.");
+  m.def("skinny_isa", [](at::ScalarType dtype) { return skinny::isa(dtype); }, pybind11::arg("dtype"),
+        "The instruction set the skinny matmul runs for `dtype` now: 'avx512', 'avx2' or 'none'.");
+  m.def("_set_skinny_isa", &skinny::set_isa, pybind11::arg("name"),
+        "'avx2': the skinny matmul's AVX2 tiles even where AVX-512's would run; 'auto': the best the CPU has.");
   m.def("skinny_pack", &skinny::pack, pybind11::arg("weight"),
         "The skinny matmul's panels of a [N, K] float32 or bfloat16 weight.");
   m.def("skinny_matmul", &skinny::matmul, pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("out_features"),

@@ -16,25 +16,43 @@
 // x is copied into blocks of 16 rows, k-major ([K][16] floats, or [K/2][16] bf16 pairs), so the value a row
 // multiplies at k is a broadcast from one cache line.
 //
-// Compute. A tile is MR rows (<= 16) x NB panels (<= 4) of accumulators in registers, over the whole K: per k, NB
-// weight loads and MR broadcasts feed MR x NB FMAs (vdpbf16ps: two k each, summed in fp32). Few rows take more
-// panels at once so that enough independent accumulators hide the FMA latency. Each thread takes a contiguous
-// range of panels; per group of four panels it runs every row block, so the weights come from memory once and
-// from L1/L2 for the other row blocks. The sum over k is in order, in fp32; the bias is added after it, as
-// F.linear's addmm does; bf16 outputs are rounded to nearest even once, at the end.
+// Compute. A tile is MR rows x NB panels (<= 4) of accumulators in registers, over the whole K: per k, NB weight
+// loads and MR broadcasts feed MR x NB FMAs. Few rows take more panels at once so that enough independent
+// accumulators hide the FMA latency. Each thread takes a contiguous range of panels; per group of four panels it
+// runs every row block, so the weights come from memory once and from L1/L2 for the other row blocks. The bias is
+// added after the sum, as F.linear's addmm does; bf16 outputs are rounded to nearest even once, at the end.
+//
+// Two instruction sets, one layout (so a packed weight serves either, and the choice is made per call):
+// - AVX-512 (fp32: AVX-512F; bf16: AVX512-BF16): 16-lane accumulators, MR <= 16 rows, so a row block is one tile;
+//   bf16 with vdpbf16ps (two k per instruction, their products summed in fp32).
+// - AVX2 + FMA (every x86-64 CPU since 2013-2015; Zen 2/3 among them): a panel is two 8-lane halves and the
+//   16 registers hold at most MR = 6 rows (fp32) or 4 (bf16) of them, so a row block is cut into 2-4 tiles
+//   (the group of panels stays in L2 between them). bf16 weights are widened in registers (a pair of k per 32 bits:
+//   one shift or one mask each) and x is copied widened to fp32; products of two bf16 are exact in fp32, so the
+//   sums are the fp32 FMA's, in order over k.
+// Zen 3 and Zen 4 both issue two 256-bit FMAs a cycle (Zen 4 splits a 512-bit one), so on these CPUs AVX2's tiles
+// have the same FMA rate; AVX-512's are larger (fewer reloads of the weights from L2) and bf16's dot products
+// take half the instructions.
 #include "linear/skinny_gemm.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 
-// AVX512-BF16's types and intrinsics came with GCC 10 and Clang 9; older compilers build without the skinny matmul.
-#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && __GNUC__ >= 10))
-#define CBCORE_SKINNY_AVX512 1
+#if defined(__x86_64__)
+#define CBCORE_SKINNY_X86 1
 #include <immintrin.h>
+#else
+#define CBCORE_SKINNY_X86 0
+#endif
+// AVX512-BF16's types and intrinsics came with GCC 10 and Clang 9; older compilers build the AVX2 tiles only.
+#if CBCORE_SKINNY_X86 && ((defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && __GNUC__ >= 10))
+#define CBCORE_SKINNY_AVX512 1
 #else
 #define CBCORE_SKINNY_AVX512 0
 #endif
@@ -49,9 +67,9 @@ constexpr int64_t kPanelGroup = 4;  // panels a thread's loop takes together (ev
 // Rows a pass over a thread's panels takes: the row blocks of one pass stay in L2 while the weights stream past
 // them (at 128 rows and K = 1536 fp32, 768 KB); more rows take more passes.
 constexpr int64_t kRowChunk = 128;
-// How far ahead of its loads a tile prefetches the weights, into L2: one prefetch per 64-byte load, 8 KB (128
+// How far ahead of its loads a tile prefetches the weights, into L2: one prefetch per 64-byte line, 8 KB (128
 // lines) ahead. Without it the weights came at 15 GB/s; 2 KB into L1 gave 18-20, 8 KB into L2 20-22 (a W4-shaped
-// step of linears, bench/test_bench_linear.py).
+// step of linears, bench/test_bench_linear.py, AVX-512).
 constexpr int64_t kPrefetchBytes = 8192;
 // Below this many FLOPs per thread a call stays on fewer threads: waking a thread costs ~10 us.
 constexpr int64_t kMinFlopsPerThread = 2'000'000;
@@ -80,6 +98,71 @@ std::unique_ptr<Word[]> row_blocks(int64_t M, int64_t depth, const F& value) {
     }
   });
   return out;
+}
+
+// A tile: MR rows x NB panels over all of the depth. xb: the tile's first row in its row block (row m's value at k
+// is xb[k * 16 + m]); w: the first panel, the others `panel_stride` words apart; out: the tile's first output,
+// rows `ldo` apart, `cols` of its NB x 16 columns stored.
+template <typename Scalar, typename XWord, typename WWord>
+using TileFn = void (*)(const XWord* xb, const WWord* w, int64_t panel_stride, int64_t depth, Scalar* out,
+                        int64_t ldo, int64_t cols, const Scalar* bias);
+
+// table[rows - 1][log2(panels)]: every (rows, panels) a call can take for one instruction set's tiles (`Tile`) and
+// register budget (`Shape`: kMaxRows rows a tile at most, panels(rows) the panels it takes), the narrower tiles of a
+// group's last panels included; the others stay null.
+template <typename Scalar, typename XWord, typename WWord, template <int, int> class Tile, class Shape>
+struct TileTable {
+  TileFn<Scalar, XWord, WWord> fn[kRowBlock][3];
+  template <int MR>
+  constexpr void fill() {
+    fn[MR - 1][0] = &Tile<MR, 1>::run;
+    if constexpr (Shape::panels(MR) >= 2) fn[MR - 1][1] = &Tile<MR, 2>::run;
+    if constexpr (Shape::panels(MR) >= 4) fn[MR - 1][2] = &Tile<MR, 4>::run;
+    if constexpr (MR < Shape::kMaxRows) fill<MR + 1>();
+  }
+  constexpr TileTable() : fn{} { fill<1>(); }
+};
+
+// Runs every tile: threads over contiguous panel ranges, per group of kPanelGroup panels every row block, each
+// row block in as few tiles of at most Shape::kMaxRows rows as it takes, of balanced sizes (16 rows: 16 on
+// AVX-512, 6 + 5 + 5 in AVX2's fp32). xblocks: row blocks `x_block_stride` words apart; panels: [P][depth][16]
+// words; out [M, N].
+template <class Shape, typename Scalar, typename XWord, typename WWord>
+void run_tiles(const TileFn<Scalar, XWord, WWord> (&table)[kRowBlock][3], const XWord* xblocks,
+               int64_t x_block_stride, const WWord* panels, int64_t depth, int64_t M, int64_t N, Scalar* out,
+               const Scalar* bias, int64_t flops) {
+  const int64_t P = ceil_div(N, kPanel);
+  const int64_t panel_stride = depth * kPanel;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), flops / kMinFlopsPerThread));
+  const int64_t grain = ceil_div(P, threads);
+  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+    for (int64_t c0 = 0; c0 < M; c0 += kRowChunk) {
+      const int64_t c_end = std::min(M, c0 + kRowChunk);
+      for (int64_t g = p0; g < p1; g += kPanelGroup) {
+        const int64_t g_end = std::min(g + kPanelGroup, p1);
+        for (int64_t r0 = c0; r0 < c_end; r0 += kRowBlock) {
+          const int64_t block_rows = std::min(kRowBlock, M - r0);
+          const int64_t tiles = ceil_div(block_rows, Shape::kMaxRows);
+          const XWord* xblock = xblocks + (r0 / kRowBlock) * x_block_stride;
+          for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
+            const int64_t rows = ceil_div(block_rows - m0, tiles - t);
+            const int want = Shape::panels(static_cast<int>(rows));
+            for (int64_t p = g; p < g_end;) {
+              int nb = want;
+              while (nb > g_end - p) nb /= 2;  // the group's last panels: a narrower tile
+              const int64_t col0 = p * kPanel;
+              const int64_t cols = std::min<int64_t>(nb * kPanel, N - col0);
+              table[rows - 1][nb == 4 ? 2 : nb - 1](xblock + m0, panels + p * panel_stride, panel_stride, depth,
+                                                     out + (r0 + m0) * N + col0, N, cols,
+                                                     bias ? bias + col0 : nullptr);
+              p += nb;
+            }
+            m0 += rows;
+          }
+        }
+      }
+    }
+  });
 }
 
 }  // namespace
@@ -129,8 +212,8 @@ CB_SKINNY_TARGET inline void store_tile(const __m512 (&acc)[MR][NB], uint16_t* o
   }
 }
 
-// MR rows x NB panels over all of K. xb: the row block ([K][16] floats); w: the first panel ([K][16]), the others
-// `panel_stride` floats apart. A struct so that TileTable can take it as a template.
+// fp32: xb is the row block ([K][16] floats), w the panels ([K][16] floats each). A struct so that TileTable can
+// take it as a template.
 template <int MR, int NB>
 struct TileF32 {
   CB_SKINNY_TARGET static void run(const float* xb, const float* w, int64_t panel_stride, int64_t K, float* out,
@@ -180,82 +263,196 @@ struct TileBf16 {
   }
 };
 
-// How many panels a tile of `rows` rows takes at once: enough accumulators (>= 8) for the FMA latency, at most 16
+// A row block is one tile; few rows take more panels: enough accumulators (>= 8) for the FMA latency, at most 16
 // of them (24 at 12 rows) plus the weights and a broadcast in 32 registers.
-constexpr int panels_for_rows(int rows) { return rows >= 8 ? (rows >= 13 ? 1 : 2) : (rows >= 4 ? 2 : 4); }
-
-template <typename Scalar, typename Word>
-using TileFn = void (*)(const Word*, const Word*, int64_t, int64_t, Scalar*, int64_t, int64_t, const Scalar*);
-
-// table[rows - 1][log2(panels)]: every (rows, panels) a call can take, panels_for_rows(rows) and the narrower
-// tiles of a group's last panels; the wider ones (16 rows x 4 panels would not fit in the registers) stay null.
-template <typename Scalar, typename Word, template <int, int> class Tile>
-struct TileTable {
-  TileFn<Scalar, Word> fn[kRowBlock][3];
-  template <int MR>
-  constexpr void fill() {
-    fn[MR - 1][0] = &Tile<MR, 1>::run;
-    if constexpr (panels_for_rows(MR) >= 2) fn[MR - 1][1] = &Tile<MR, 2>::run;
-    if constexpr (panels_for_rows(MR) >= 4) fn[MR - 1][2] = &Tile<MR, 4>::run;
-    if constexpr (MR < kRowBlock) fill<MR + 1>();
-  }
-  constexpr TileTable() : fn{} { fill<1>(); }
+struct Avx512Shape {
+  static constexpr int kMaxRows = 16;
+  static constexpr int panels(int rows) { return rows >= 8 ? (rows >= 13 ? 1 : 2) : (rows >= 4 ? 2 : 4); }
 };
 
-constexpr TileTable<float, float, TileF32> kTilesF32{};
-constexpr TileTable<uint16_t, uint32_t, TileBf16> kTilesBf16{};
-
-// Runs every tile: threads over contiguous panel ranges, per group of kPanelGroup panels every row block.
-// xblocks: [row_blocks][depth][16] words; panels: [P][depth][16] words; out [M, N].
-template <typename Scalar, typename Word>
-void run_tiles(const TileFn<Scalar, Word> (&table)[kRowBlock][3], const Word* xblocks, const Word* panels,
-               int64_t depth, int64_t M, int64_t N, Scalar* out, const Scalar* bias, int64_t flops) {
-  const int64_t P = ceil_div(N, kPanel);
-  const int64_t panel_stride = depth * kPanel;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), flops / kMinFlopsPerThread));
-  const int64_t grain = ceil_div(P, threads);
-  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
-    for (int64_t c0 = 0; c0 < M; c0 += kRowChunk) {
-      const int64_t c_end = std::min(M, c0 + kRowChunk);
-      for (int64_t g = p0; g < p1; g += kPanelGroup) {
-        const int64_t g_end = std::min(g + kPanelGroup, p1);
-        for (int64_t r0 = c0; r0 < c_end; r0 += kRowBlock) {
-          const int64_t rows = std::min(kRowBlock, M - r0);
-          const int want = panels_for_rows(static_cast<int>(rows));
-          const Word* xb = xblocks + (r0 / kRowBlock) * depth * kRowBlock;
-          for (int64_t p = g; p < g_end;) {
-            int nb = want;
-            while (nb > g_end - p) nb /= 2;  // the group's last panels: a narrower tile
-            const int64_t col0 = p * kPanel;
-            const int64_t cols = std::min<int64_t>(nb * kPanel, N - col0);
-            table[rows - 1][nb == 4 ? 2 : nb - 1](xb, panels + p * panel_stride, panel_stride, depth,
-                                                   out + r0 * N + col0, N, cols, bias ? bias + col0 : nullptr);
-            p += nb;
-          }
-        }
-      }
-    }
-  });
-}
+constexpr TileTable<float, float, float, TileF32, Avx512Shape> kTilesF32{};
+constexpr TileTable<uint16_t, uint32_t, uint32_t, TileBf16, Avx512Shape> kTilesBf16{};
 
 }  // namespace
 #pragma GCC diagnostic pop
 #endif  // CBCORE_SKINNY_AVX512
 
-bool available(at::ScalarType dtype) {
-#if CBCORE_SKINNY_AVX512
-  // Asked on every matmul: the CPU's answer, read once.
-  static const bool avx512 = [] {
+#if CBCORE_SKINNY_X86
+#define CB_SKINNY_AVX2_TARGET __attribute__((target("avx2,fma")))
+namespace {
+
+// A finished tile, stored: `done` holds its accumulators as MR rows of 2 NB halves of 8 floats (columns
+// 16 n + 8 h .. + 8 of row m at (m * 2 NB + 2 n + h) * 8); `cols` columns of each row are stored, bias added.
+template <int MR, int NB>
+CB_SKINNY_AVX2_TARGET inline void store_done(const float* done, float* out, int64_t ldo, int64_t cols,
+                                             const float* bias) {
+  for (int m = 0; m < MR; ++m)
+    for (int64_t c = 0; c < cols; ++c) out[m * ldo + c] = done[m * 16 * NB + c] + (bias ? bias[c] : 0.0f);
+}
+
+// The same for bf16 out: bias (bf16) added in fp32, one rounding to nearest even (c10::BFloat16's, as
+// vcvtneps2bf16's). Element by element, as the fp32 store: the stores are ~1/K of the tile's work.
+template <int MR, int NB>
+CB_SKINNY_AVX2_TARGET inline void store_done(const float* done, uint16_t* out, int64_t ldo, int64_t cols,
+                                             const uint16_t* bias) {
+  for (int m = 0; m < MR; ++m)
+    for (int64_t c = 0; c < cols; ++c) {
+      const float b = bias ? static_cast<float>(c10::BFloat16(bias[c], c10::BFloat16::from_bits())) : 0.0f;
+      out[m * ldo + c] = c10::BFloat16(done[m * 16 * NB + c] + b).x;
+    }
+}
+
+// A tile's accumulators acc[m][2 n + h] (columns 16 n + 8 h .. + 8 of row m), stored through `done`.
+template <int MR, int NB, typename Scalar>
+CB_SKINNY_AVX2_TARGET inline void store_halves(const __m256 (&acc)[MR][2 * NB], Scalar* out, int64_t ldo,
+                                               int64_t cols, const Scalar* bias) {
+  alignas(32) float done[MR * 16 * NB];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 2 * NB; ++j) _mm256_store_ps(done + (m * 2 * NB + j) * 8, acc[m][j]);
+  store_done<MR, NB>(done, out, ldo, cols, bias);
+}
+
+// fp32 in AVX2: the layout of TileF32 (xb [K][16], panels [K][16]), each 64-byte line of a panel two halves.
+template <int MR, int NB>
+struct TileF32Avx2 {
+  CB_SKINNY_AVX2_TARGET static void run(const float* xb, const float* w, int64_t panel_stride, int64_t K,
+                                        float* out, int64_t ldo, int64_t cols, const float* bias) {
+    __m256 acc[MR][2 * NB];
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < 2 * NB; ++j) acc[m][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+      __m256 wv[2 * NB];
+      for (int n = 0; n < NB; ++n) {
+        const float* line = w + n * panel_stride + k * kPanel;
+        wv[2 * n] = _mm256_loadu_ps(line);
+        wv[2 * n + 1] = _mm256_loadu_ps(line + 8);
+        _mm_prefetch(reinterpret_cast<const char*>(line) + kPrefetchBytes, _MM_HINT_T1);
+      }
+      for (int m = 0; m < MR; ++m) {
+        // set1 of the value, not _mm256_broadcast_ss of its address (the same vbroadcastss): with the address GCC
+        // kept the accumulators in memory and stored all of them on every k, at half the FMA rate.
+        const __m256 xv = _mm256_set1_ps(xb[k * kRowBlock + m]);
+        for (int j = 0; j < 2 * NB; ++j) acc[m][j] = _mm256_fmadd_ps(xv, wv[j], acc[m][j]);
+      }
+    }
+    store_halves<MR, NB>(acc, out, ldo, cols, bias);
+  }
+};
+
+// bf16 in AVX2: w the panels as TileBf16's ([K2][16] pairs of bf16, the first k in the low half), xb the row block
+// widened to fp32 ([2 K2][16] floats). A pair's first k is the low half shifted up, its second the high half
+// masked: bf16 is the top half of an fp32.
+template <int MR, int NB>
+struct TileBf16Avx2 {
+  CB_SKINNY_AVX2_TARGET static void run(const float* xb, const uint32_t* w, int64_t panel_stride, int64_t K2,
+                                        uint16_t* out, int64_t ldo, int64_t cols, const uint16_t* bias) {
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    __m256 acc[MR][2 * NB];
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < 2 * NB; ++j) acc[m][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K2; ++k) {
+      __m256 first[2 * NB], second[2 * NB];
+      for (int n = 0; n < NB; ++n) {
+        const uint32_t* line = w + n * panel_stride + k * kPanel;
+        for (int h = 0; h < 2; ++h) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 8 * h));
+          first[2 * n + h] = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+          second[2 * n + h] = _mm256_castsi256_ps(_mm256_and_si256(raw, high));
+        }
+        _mm_prefetch(reinterpret_cast<const char*>(line) + kPrefetchBytes, _MM_HINT_T1);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m256 x0 = _mm256_set1_ps(xb[2 * k * kRowBlock + m]);
+        const __m256 x1 = _mm256_set1_ps(xb[(2 * k + 1) * kRowBlock + m]);
+        for (int j = 0; j < 2 * NB; ++j)
+          acc[m][j] = _mm256_fmadd_ps(x1, second[j], _mm256_fmadd_ps(x0, first[j], acc[m][j]));
+      }
+    }
+    store_halves<MR, NB>(acc, out, ldo, cols, bias);
+  }
+};
+
+// 16 ymm registers: fp32 tiles of up to 6 rows x one panel (12 accumulators, the panel's two halves and a
+// broadcast), more panels for fewer rows so that >= 8 accumulators hide the FMA latency (3 rows x 2 panels: 12, the
+// weights then read as FMA operands from L1).
+struct Avx2F32Shape {
+  static constexpr int kMaxRows = 6;
+  static constexpr int panels(int rows) { return rows >= 4 ? 1 : (rows >= 2 ? 2 : 4); }
+};
+
+// bf16 holds each panel's halves widened twice (both k of a pair): 4 rows x one panel (8 accumulators, each taking
+// two FMAs a pair: as many in flight as 16 FMAs of a step need), 2 rows x 2 panels, 1 row x 4.
+struct Avx2Bf16Shape {
+  static constexpr int kMaxRows = 4;
+  static constexpr int panels(int rows) { return rows >= 3 ? 1 : (rows == 2 ? 2 : 4); }
+};
+
+constexpr TileTable<float, float, float, TileF32Avx2, Avx2F32Shape> kTilesF32Avx2{};
+constexpr TileTable<uint16_t, float, uint32_t, TileBf16Avx2, Avx2Bf16Shape> kTilesBf16Avx2{};
+
+}  // namespace
+#endif  // CBCORE_SKINNY_X86
+
+namespace {
+
+// What this CPU (and build) has, read once: asked on every matmul.
+struct Cpu {
+  bool avx2 = false;        // AVX2 and FMA
+  bool avx512 = false;      // AVX-512 F/BW/VL/DQ
+  bool avx512bf16 = false;  // and AVX512-BF16
+};
+
+const Cpu& cpu() {
+  static const Cpu detected = [] {
+    Cpu c;
+#if CBCORE_SKINNY_X86
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma");
-  }();
-  static const bool bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
-  if (dtype == at::kFloat) return avx512;
-  if (dtype == at::kBFloat16) return bf16;
+    c.avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#if CBCORE_SKINNY_AVX512
+    c.avx512 = c.avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    c.avx512bf16 = c.avx512 && __builtin_cpu_supports("avx512bf16");
 #endif
-  (void)dtype;
-  return false;
+#endif
+    return c;
+  }();
+  return detected;
+}
+
+// set_isa("avx2"): AVX2's tiles even where AVX-512's would run (tests and benchmarks of both on one CPU).
+std::atomic<bool> force_avx2{false};
+
+enum class Isa { none, avx2, avx512 };
+
+Isa isa_for(at::ScalarType dtype) {
+  const Cpu& c = cpu();
+  const bool wide = !force_avx2.load(std::memory_order_relaxed);
+  if (dtype == at::kFloat) return wide && c.avx512 ? Isa::avx512 : (c.avx2 ? Isa::avx2 : Isa::none);
+  if (dtype == at::kBFloat16) return wide && c.avx512bf16 ? Isa::avx512 : (c.avx2 ? Isa::avx2 : Isa::none);
+  return Isa::none;
+}
+
+}  // namespace
+
+bool available(at::ScalarType dtype) { return isa_for(dtype) != Isa::none; }
+
+std::string isa(at::ScalarType dtype) {
+  switch (isa_for(dtype)) {
+    case Isa::avx512: return "avx512";
+    case Isa::avx2: return "avx2";
+    default: return "none";
+  }
+}
+
+void set_isa(const std::string& name) {
+  if (name == "auto") {
+    force_avx2 = false;
+  } else if (name == "avx2") {
+    TORCH_CHECK_VALUE(cpu().avx2, "skinny matmul: this CPU has no AVX2 and FMA");
+    force_avx2 = true;
+  } else {
+    TORCH_CHECK_VALUE(false, "skinny matmul: unknown instruction set '", name, "' (auto or avx2)");
+  }
 }
 
 at::Tensor pack(const at::Tensor& weight) {
@@ -294,11 +491,12 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& panels, int64_t out_fea
   TORCH_CHECK_VALUE(x.dim() == 2 && x.stride(1) == 1, "skinny_gemm.matmul: x must be [M, K] with contiguous rows");
   TORCH_CHECK_VALUE(x.scalar_type() == panels.scalar_type(), "skinny_gemm.matmul: x is ", x.scalar_type(),
                     ", the panels ", panels.scalar_type());
-  TORCH_CHECK(available(x.scalar_type()), "skinny_gemm.matmul: this CPU has no skinny matmul for ", x.scalar_type());
+  const Isa chosen = isa_for(x.scalar_type());
+  TORCH_CHECK(chosen != Isa::none, "skinny_gemm.matmul: this CPU has no skinny matmul for ", x.scalar_type());
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-#if CBCORE_SKINNY_AVX512
+#if CBCORE_SKINNY_X86
   const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
   TORCH_CHECK_VALUE(!b.defined() || (b.numel() == N && b.scalar_type() == x.scalar_type()),
                     "skinny_gemm.matmul: the bias must have ", N, " values of ", x.scalar_type());
@@ -307,32 +505,51 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& panels, int64_t out_fea
   if (x.scalar_type() == at::kFloat) {
     TORCH_CHECK_VALUE(panels.dim() == 3 && panels.size(1) == K && panels.size(0) == ceil_div(N, kPanel),
                       "skinny_gemm.matmul: panels ", panels.sizes(), " do not fit x ", x.sizes(), " and N ", N);
-    // [blocks][K][16], rows past M zero.
+    // [blocks][K][16], rows past M zero: the same for both instruction sets.
     const float* src = x.const_data_ptr<float>();
     const std::unique_ptr<float[]> xblocks =
         row_blocks<float>(M, K, [&](int64_t r, int64_t k) { return src[r * ldx + k]; });
-    run_tiles<float, float>(kTilesF32.fn, xblocks.get(), panels.const_data_ptr<float>(), K, M, N,
-                            out.mutable_data_ptr<float>(), b.defined() ? b.const_data_ptr<float>() : nullptr, flops);
+    const float* w = panels.const_data_ptr<float>();
+    float* y = out.mutable_data_ptr<float>();
+    const float* bias_f = b.defined() ? b.const_data_ptr<float>() : nullptr;
+#if CBCORE_SKINNY_AVX512
+    if (chosen == Isa::avx512) {
+      run_tiles<Avx512Shape>(kTilesF32.fn, xblocks.get(), K * kRowBlock, w, K, M, N, y, bias_f, flops);
+      return out;
+    }
+#endif
+    run_tiles<Avx2F32Shape>(kTilesF32Avx2.fn, xblocks.get(), K * kRowBlock, w, K, M, N, y, bias_f, flops);
     return out;
   }
   const int64_t K2 = ceil_div(K, 2);
   TORCH_CHECK_VALUE(panels.dim() == 4 && panels.size(1) == K2 && panels.size(0) == ceil_div(N, kPanel),
                     "skinny_gemm.matmul: panels ", panels.sizes(), " do not fit x ", x.sizes(), " and N ", N);
-  // [blocks][K2][16] pairs of bf16 (the first k in the low half), an odd K's last pair and rows past M zero.
   const at::BFloat16* src = x.const_data_ptr<at::BFloat16>();
-  const std::unique_ptr<uint32_t[]> xblocks = row_blocks<uint32_t>(M, K2, [&](int64_t r, int64_t k2) {
-    const at::BFloat16* row = src + r * ldx;
-    const uint32_t high = 2 * k2 + 1 < K ? static_cast<uint32_t>(bf16_bits(row[2 * k2 + 1])) << 16 : 0u;
-    return static_cast<uint32_t>(bf16_bits(row[2 * k2])) | high;
-  });
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(panels.const_data_ptr<at::BFloat16>());
+  uint16_t* y = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>());
   const uint16_t* bias_bits =
       b.defined() ? reinterpret_cast<const uint16_t*>(b.const_data_ptr<at::BFloat16>()) : nullptr;
-  run_tiles<uint16_t, uint32_t>(kTilesBf16.fn, xblocks.get(),
-                                reinterpret_cast<const uint32_t*>(panels.const_data_ptr<at::BFloat16>()), K2, M, N,
-                                reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>()), bias_bits, flops);
+#if CBCORE_SKINNY_AVX512
+  if (chosen == Isa::avx512) {
+    // [blocks][K2][16] pairs of bf16 (the first k in the low half), an odd K's last pair and rows past M zero.
+    const std::unique_ptr<uint32_t[]> xblocks = row_blocks<uint32_t>(M, K2, [&](int64_t r, int64_t k2) {
+      const at::BFloat16* row = src + r * ldx;
+      const uint32_t high = 2 * k2 + 1 < K ? static_cast<uint32_t>(bf16_bits(row[2 * k2 + 1])) << 16 : 0u;
+      return static_cast<uint32_t>(bf16_bits(row[2 * k2])) | high;
+    });
+    run_tiles<Avx512Shape>(kTilesBf16.fn, xblocks.get(), K2 * kRowBlock, w, K2, M, N, y, bias_bits, flops);
+    return out;
+  }
+#endif
+  // AVX2: [blocks][2 K2][16] floats, x widened (an odd K's padding k and rows past M zero).
+  const std::unique_ptr<float[]> xblocks = row_blocks<float>(M, 2 * K2, [&](int64_t r, int64_t k) {
+    return k < K ? static_cast<float>(src[r * ldx + k]) : 0.0f;
+  });
+  run_tiles<Avx2Bf16Shape>(kTilesBf16Avx2.fn, xblocks.get(), 2 * K2 * kRowBlock, w, K2, M, N, y, bias_bits, flops);
   return out;
 #else
   (void)bias;
+  (void)chosen;
   TORCH_CHECK(false, "skinny_gemm.matmul: not built for this CPU");
 #endif
 }

@@ -1,17 +1,27 @@
 // A matmul for few rows (a decode step's linear layers): x[M, K] @ W[N, K].T (+ b) with W packed once into column
-// panels, AVX-512 (fp32 FMA; bf16 with AVX512-BF16's vdpbf16ps). csrc/linear/skinny_gemm.cpp says why and how.
+// panels, in AVX-512 (bf16 with AVX512-BF16's vdpbf16ps) or AVX2 + FMA. csrc/linear/skinny_gemm.cpp says why and
+// how.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <string>
 
 namespace cbcore {
 namespace skinny {
 
-// Whether this CPU (and this build) runs the skinny matmul for weights of `dtype` (float32: AVX-512F; bfloat16:
-// AVX-512F and AVX512-BF16). False for every other dtype.
+// Whether this CPU (and this build) runs the skinny matmul for weights of `dtype`: float32 or bfloat16 on a CPU
+// with AVX2 and FMA at least. False for every other dtype.
 bool available(at::ScalarType dtype);
+
+// The instruction set a call for `dtype` runs now: "avx512" (float32: AVX-512F/BW/VL/DQ; bfloat16: and
+// AVX512-BF16), "avx2" (AVX2 and FMA), or "none".
+std::string isa(at::ScalarType dtype);
+
+// "avx2": AVX2's tiles from now on, even where AVX-512's would run; "auto": the best this CPU has. ValueError for
+// another name or a CPU without AVX2. Packed weights serve both (one layout).
+void set_isa(const std::string& name);
 
 // The panels of `weight` [N, K] (float32 or bfloat16, on the CPU): see skinny_gemm.cpp for the layout.
 at::Tensor pack(const at::Tensor& weight);
