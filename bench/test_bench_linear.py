@@ -2,8 +2,8 @@
 
 1. Linear layers: `F.linear` (MKL in torch's x86 builds) against the oneDNN matmul on a weight reordered once
    (`torch.ops.mkldnn._reorder_linear_weight` + `_linear_pointwise`) and cbcore's skinny matmul on its panels
-   (`_C.skinny_pack` + `_C.skinny_matmul`, csrc/linear/skinny_gemm.cpp; `PackedLinears` runs it where the CPU has
-   AVX-512, and AVX512-BF16 for bf16, else oneDNN's), on the shapes of a step of the bench's 32M Llama: M = rows of
+   (`_C.skinny_pack` + `_C.skinny_matmul`, csrc/linear/skinny_gemm.cpp, in the best instruction set the CPU has:
+   AVX-512 or AVX2; `PackedLinears` runs it where the CPU has AVX2 and FMA at least, else oneDNN's), on the shapes of a step of the bench's 32M Llama: M = rows of
    the step (16: a W3 decode step; 64: a W1 decode step; 512: a prefill chunk), K x N = the model's projections
    (512x512 q/o, 512x256 k/v, 512x1408 gate/up, 1408x512 down, 512x8192 lm_head). The weight is the same every call,
    so it stays in cache where it fits. GFLOP/s = 2 M K N / time. fp32 and bf16.
@@ -34,6 +34,7 @@ import pytest
 import torch
 
 from cbcore.linear import packing_available
+from cbcore.benchmarks.machine import cpu_model
 
 try:
     from cbcore import _C
@@ -60,6 +61,15 @@ def _skinny_available(dtype: torch.dtype) -> bool:
     return _C is not None and hasattr(_C, "skinny_available") and _C.skinny_available(dtype)
 
 
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs weights of `dtype` on this CPU (bf16 needs AVX-512 or AVX-NE-CONVERT)."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.randn(8, 8).to(dtype), None)
+    except RuntimeError:
+        return False
+    return True
+
+
 @pytest.fixture(autouse=True)
 def _threads():
     previous = torch.get_num_threads()
@@ -75,6 +85,8 @@ def _threads():
 def test_linear(benchmark, implementation, k, n, rows, dtype) -> None:
     if implementation == "skinny" and not _skinny_available(DTYPES[dtype]):
         pytest.skip(f"this CPU has no skinny matmul for {dtype}")
+    if implementation == "oneDNN packed" and not _onednn_packs(DTYPES[dtype]):
+        pytest.skip(f"oneDNN packs no {dtype} weight on this CPU")
     torch.manual_seed(0)
     x = torch.randn(rows, k, dtype=DTYPES[dtype])
     w = torch.randn(n, k, dtype=DTYPES[dtype]) / k**0.5
@@ -103,11 +115,15 @@ def test_w4_decode_step_linears(benchmark, rows, dtype) -> None:
     shapes = W4_PROJECTIONS * 30 + [W4_LM_HEAD]
     weights = [torch.randn(n, k, dtype=DTYPES[dtype]) / k**0.5 for k, n in shapes]
     inputs = {k: torch.randn(rows, k, dtype=DTYPES[dtype]) for k, _ in shapes}
-    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
     panels = [_C.skinny_pack(w) for w in weights]
+    if _onednn_packs(DTYPES[dtype]):
+        onednn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+        baseline = lambda: [torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")  # noqa
+                            for w, p in zip(weights, onednn)]
+    else:  # what cbcore would run without the skinny matmul
+        baseline = lambda: [torch.nn.functional.linear(inputs[w.shape[1]], w) for w in weights]  # noqa: E731
     runs = {
-        "oneDNN packed": lambda: [torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
-                                  for w, p in zip(weights, onednn)],
+        "baseline": baseline,
         "skinny": lambda: [_C.skinny_matmul(inputs[w.shape[1]], p, w.shape[0]) for w, p in zip(weights, panels)],
     }
     tolerance = 1e-4 if dtype == "fp32" else 3e-2
@@ -174,29 +190,36 @@ def _write_report():
     yield
     if not LINEAR_RESULTS or not THREAD_RESULTS:
         return
+    isas = ", ".join(f"{name} {_C.skinny_isa(dtype)}" for name, dtype in DTYPES.items()) if _C is not None else "-"
+    onednn_dtypes = [name for name, dtype in DTYPES.items() if _onednn_packs(dtype)]
     lines = [
         "# Linear layers and threads (CPU)",
         "",
-        f"`{COMMAND}`, {THREADS} threads, torch {torch.__version__}. See the module docstring for the shapes.",
+        f"`{COMMAND}`, {THREADS} threads, torch {torch.__version__}, {cpu_model()}; skinny matmul: {isas}; oneDNN "
+        f"packs: {', '.join(onednn_dtypes) or 'nothing'}. See the module docstring for the shapes.",
         "",
         "| dtype | M | K x N | F.linear GFLOP/s | oneDNN packed GFLOP/s | skinny GFLOP/s | oneDNN / F.linear | "
-        "skinny / oneDNN |",
+        "skinny / oneDNN (/ F.linear where no oneDNN) |",
         "|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for (dtype, rows, k, n), found in sorted(LINEAR_RESULTS.items()):
-        if "F.linear" in found and "oneDNN packed" in found:
-            plain, packed, skinny = found["F.linear"], found["oneDNN packed"], found.get("skinny")
-            skinny_gflops, skinny_ratio = (f"{skinny:.0f}", f"{skinny / packed:.2f}") if skinny else ("-", "-")
-            lines.append(f"| {dtype} | {rows} | {k}x{n} | {plain:.0f} | {packed:.0f} | {skinny_gflops} | "
-                         f"{packed / plain:.2f} | {skinny_ratio} |")
+        if "F.linear" in found:
+            plain, packed, skinny = found["F.linear"], found.get("oneDNN packed"), found.get("skinny")
+            base = packed or plain
+            skinny_gflops, skinny_ratio = (f"{skinny:.0f}", f"{skinny / base:.2f}") if skinny else ("-", "-")
+            packed_gflops, packed_ratio = (f"{packed:.0f}", f"{packed / plain:.2f}") if packed else ("-", "-")
+            lines.append(f"| {dtype} | {rows} | {k}x{n} | {plain:.0f} | {packed_gflops} | {skinny_gflops} | "
+                         f"{packed_ratio} | {skinny_ratio} |")
     if STEP_RESULTS:
-        lines += ["", "A W4 decode step's linears, weights cold (median of 9 interleaved rounds):", "",
-                  "| dtype | M | oneDNN ms | oneDNN GFLOP/s | oneDNN GB/s | skinny ms | skinny GFLOP/s | skinny GB/s | "
-                  "oneDNN / skinny time |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += ["", "A W4 decode step's linears, weights cold (median of 9 interleaved rounds; the baseline is "
+                  "oneDNN's packed matmul, F.linear where oneDNN packs no weight of the dtype):", "",
+                  "| dtype | M | baseline | ms | GFLOP/s | GB/s | skinny ms | skinny GFLOP/s | skinny GB/s | "
+                  "baseline / skinny time |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
         for (dtype, rows), found in sorted(STEP_RESULTS.items()):
-            (a_ms, a_gf, a_gb), (b_ms, b_gf, b_gb) = found["oneDNN packed"], found["skinny"]
-            lines.append(f"| {dtype} | {rows} | {a_ms:.1f} | {a_gf:.0f} | {a_gb:.1f} | {b_ms:.1f} | {b_gf:.0f} | "
-                         f"{b_gb:.1f} | {a_ms / b_ms:.2f}x |")
+            (a_ms, a_gf, a_gb), (b_ms, b_gf, b_gb) = found["baseline"], found["skinny"]
+            name = "oneDNN" if dtype in onednn_dtypes else "F.linear"
+            lines.append(f"| {dtype} | {rows} | {name} | {a_ms:.1f} | {a_gf:.0f} | {a_gb:.1f} | {b_ms:.1f} | "
+                         f"{b_gf:.0f} | {b_gb:.1f} | {a_ms / b_ms:.2f}x |")
     base = THREAD_RESULTS.get("main thread")
     lines += ["", "| where the op mix runs | seconds | vs main thread |", "|---|---:|---:|"]
     for where, seconds in THREAD_RESULTS.items():
