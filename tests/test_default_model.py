@@ -92,6 +92,30 @@ def test_generate_command_uses_the_cached_copy_and_prints_text_and_summary(conve
     assert re.search(summary, result.stdout, re.MULTILINE)
 
 
+@needs_package
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_default_model_passes_the_self_check_and_serves_in_each_dtype(converted, dtype) -> None:
+    """The real model, not a tiny one: in bf16 its logits move further between two matmuls' sums (the self-check
+    once refused it on a Zen 3, where the reference's bf16 F.linear and the skinny matmul differ by 0.078)."""
+    import copy
+
+    import cbcore
+    from tests.conftest import assert_engine_clean, run_engine
+
+    from transformers import AutoModelForCausalLM
+
+    _, folder, _, tokenizer = converted
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()  # as `cbcore bench` loads it
+    config = copy.deepcopy(model.generation_config)
+    config.max_new_tokens, config.do_sample = 4, False
+    outputs, manager = run_engine(model, [tokenizer("What is 2+2?")["input_ids"]], config,
+                                  cbcore.ContinuousBatchingConfig())
+    (output,) = outputs.values()
+    assert output.error is None and output.generated_tokens
+    assert len(output.generated_tokens) == 4 or output.generated_tokens[-1] == 2  # or EOS first
+    assert_engine_clean(manager)
+
+
 # -------------------------------------------------------------------------------- the cache, with a fake GGUF side
 
 
