@@ -18,6 +18,21 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def vector_isa() -> str | None:
+    """The widest vector instructions the CPU has, as cbcore's kernels choose them: "AVX-512 + AVX512-BF16",
+    "AVX-512", "AVX2" or "no AVX2" (from /proc/cpuinfo's flags); None where there is no such file (not Linux x86)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), None)
+    if flags is None:
+        return None
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= set(flags):
+        return "AVX-512 + AVX512-BF16" if "avx512_bf16" in flags else "AVX-512"
+    return "AVX2" if {"avx2", "fma"} <= set(flags) else "no AVX2"
+
+
 def machine_facts() -> dict:
     """The hardware and software the numbers were measured on."""
     import psutil
@@ -26,6 +41,7 @@ def machine_facts() -> dict:
 
     return {
         "cpu": cpu_model(),
+        "vector_isa": vector_isa(),
         "cores": os.cpu_count(),
         "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "gpu": None,

@@ -220,10 +220,11 @@ def write_summary(folder: Path) -> Path:
     for path in sorted(folder.glob("side_by_side_W*.json")):
         record = json.loads(path.read_text())
         m = record["machine"]
+        isa = f" ({m['vector_isa']})" if m.get("vector_isa") else ""  # recorded since 2026-12-02
         sections += [
             f"## {path.stem}",
             "",
-            f"`{record['command']}` on {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB, torch {m['torch']}, "
+            f"`{record['command']}` on {m['cpu']}{isa}, {m['cores']} cores, {m['ram_gib']} GiB, torch {m['torch']}, "
             f"transformers {m['transformers']}",
             "",
             format_table(record),
