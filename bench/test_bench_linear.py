@@ -3,8 +3,9 @@
 1. Linear layers: `F.linear` (MKL in torch's x86 builds) against the oneDNN matmul on a weight reordered once
    (`torch.ops.mkldnn._reorder_linear_weight` + `_linear_pointwise`) and cbcore's skinny matmul on its panels
    (`_C.skinny_pack` + `_C.skinny_matmul`, csrc/linear/skinny_gemm.cpp, in the best instruction set the CPU has:
-   AVX-512 or AVX2; `PackedLinears` runs it where the CPU has AVX2 and FMA at least, else oneDNN's), on the shapes of a step of the bench's 32M Llama: M = rows of
-   the step (16: a W3 decode step; 64: a W1 decode step; 512: a prefill chunk), K x N = the model's projections
+   AVX-512 or AVX2; `PackedLinears` runs it where the CPU has AVX2 and FMA at least, else oneDNN's), on the shapes
+   of a step of the bench's 32M Llama: M = rows of the step (16: a W3 decode step; 64: a W1 decode step; 512: a
+   prefill chunk), K x N = the model's projections
    (512x512 q/o, 512x256 k/v, 512x1408 gate/up, 1408x512 down, 512x8192 lm_head). The weight is the same every call,
    so it stays in cache where it fits. GFLOP/s = 2 M K N / time. fp32 and bf16.
 2. A W4 decode step's linears, weights cold: the default model's (SmolLM2-135M) 30 layers of merged q/k/v

@@ -99,10 +99,10 @@ def test_default_model_passes_the_self_check_and_serves_in_each_dtype(converted,
     once refused it on a Zen 3, where the reference's bf16 F.linear and the skinny matmul differ by 0.078)."""
     import copy
 
+    from transformers import AutoModelForCausalLM
+
     import cbcore
     from tests.conftest import assert_engine_clean, run_engine
-
-    from transformers import AutoModelForCausalLM
 
     _, folder, _, tokenizer = converted
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()  # as `cbcore bench` loads it
