@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cbcore.linear import packing_available
+from cbcore.linear import onednn_packs, packing_available
 from cbcore.benchmarks.machine import cpu_model
 
 try:
@@ -62,15 +62,6 @@ def _skinny_available(dtype: torch.dtype) -> bool:
     return _C is not None and hasattr(_C, "skinny_available") and _C.skinny_available(dtype)
 
 
-def _onednn_packs(dtype: torch.dtype) -> bool:
-    """Whether oneDNN packs weights of `dtype` on this CPU (bf16 needs AVX-512 or AVX-NE-CONVERT)."""
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.randn(8, 8).to(dtype), None)
-    except RuntimeError:
-        return False
-    return True
-
-
 @pytest.fixture(autouse=True)
 def _threads():
     previous = torch.get_num_threads()
@@ -86,7 +77,7 @@ def _threads():
 def test_linear(benchmark, implementation, k, n, rows, dtype) -> None:
     if implementation == "skinny" and not _skinny_available(DTYPES[dtype]):
         pytest.skip(f"this CPU has no skinny matmul for {dtype}")
-    if implementation == "oneDNN packed" and not _onednn_packs(DTYPES[dtype]):
+    if implementation == "oneDNN packed" and not onednn_packs(DTYPES[dtype]):
         pytest.skip(f"oneDNN packs no {dtype} weight on this CPU")
     torch.manual_seed(0)
     x = torch.randn(rows, k, dtype=DTYPES[dtype])
@@ -117,7 +108,7 @@ def test_w4_decode_step_linears(benchmark, rows, dtype) -> None:
     weights = [torch.randn(n, k, dtype=DTYPES[dtype]) / k**0.5 for k, n in shapes]
     inputs = {k: torch.randn(rows, k, dtype=DTYPES[dtype]) for k, _ in shapes}
     panels = [_C.skinny_pack(w) for w in weights]
-    if _onednn_packs(DTYPES[dtype]):
+    if onednn_packs(DTYPES[dtype]):
         onednn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
         baseline = lambda: [torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")  # noqa
                             for w, p in zip(weights, onednn)]
@@ -192,7 +183,7 @@ def _write_report():
     if not LINEAR_RESULTS or not THREAD_RESULTS:
         return
     isas = ", ".join(f"{name} {_C.skinny_isa(dtype)}" for name, dtype in DTYPES.items()) if _C is not None else "-"
-    onednn_dtypes = [name for name, dtype in DTYPES.items() if _onednn_packs(dtype)]
+    onednn_dtypes = [name for name, dtype in DTYPES.items() if onednn_packs(dtype)]
     lines = [
         "# Linear layers and threads (CPU)",
         "",

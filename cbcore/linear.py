@@ -51,6 +51,7 @@ skinny matmul runs (all three read at attach).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import types
@@ -86,6 +87,19 @@ def packing_available() -> bool:
     """Whether this torch build has the oneDNN ops the packed path uses, and cbcore._C the op that runs them."""
     return (bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
             and _extension() is not None)
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs weights of `dtype` on this CPU: bf16 needs AVX-512 (or AVX-NE-CONVERT), so an AVX2-only
+    CPU packs none and its bf16 weights are packed only for the skinny matmul (`_C.skinny_available`)."""
+    if not packing_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.randn(8, 8).to(dtype), None)
+    except RuntimeError:
+        return False
+    return True
 
 
 def packing_enabled() -> bool:

@@ -10,7 +10,7 @@ import torch
 
 import cbcore
 from cbcore.attention import paged_step
-from cbcore.linear import PACKED_LINEAR_ENV, PackedLinears, packing_available
+from cbcore.linear import PACKED_LINEAR_ENV, PackedLinears, onednn_packs, packing_available
 from tests.conftest import assert_engine_clean, collect_outputs, greedy_config, random_prompts, reference_tokens, run_engine, tiny_model
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear ops")
@@ -20,13 +20,7 @@ def _packs_here(dtype: torch.dtype) -> bool:
     """Whether this CPU packs weights of `dtype`: the skinny matmul (AVX2 at least) or oneDNN (bf16: AVX-512)."""
     from cbcore import _C
 
-    if _C.skinny_available(dtype):
-        return True
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.randn(8, 8).to(dtype), None)
-    except RuntimeError:
-        return False
-    return True
+    return _C.skinny_available(dtype) or onednn_packs(dtype)
 
 
 def _linears(model: torch.nn.Module) -> list[torch.nn.Linear]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cbcore.linear import SKINNY_GEMM_ENV, PackedLinears, packing_available
+from cbcore.linear import SKINNY_GEMM_ENV, PackedLinears, onednn_packs, packing_available
 from cbcore.attention import paged_step
 
 _C = pytest.importorskip("cbcore._C")
@@ -16,15 +16,6 @@ _C = pytest.importorskip("cbcore._C")
 
 def _available(dtype: torch.dtype) -> bool:
     return hasattr(_C, "skinny_available") and _C.skinny_available(dtype)
-
-
-def _onednn_packs(dtype: torch.dtype) -> bool:
-    """Whether oneDNN packs weights of `dtype` on this CPU (bf16 needs AVX-512 or AVX-NE-CONVERT)."""
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.randn(8, 8).to(dtype), None)
-    except RuntimeError:
-        return False
-    return True
 
 
 @pytest.fixture(params=["auto", "avx2"])
@@ -94,7 +85,7 @@ def test_the_packed_linear_runs_the_skinny_matmul_where_the_cpu_has_it(monkeypat
     layer = torch.nn.Sequential(torch.nn.Linear(96, 40, bias=True)).to(dtype)
     packed = PackedLinears.attach(layer)
     if packed is None:  # neither the skinny matmul (off, or not on this CPU) nor oneDNN packs this dtype here
-        assert not (skinny == "1" and _available(dtype)) and not _onednn_packs(dtype)
+        assert not (skinny == "1" and _available(dtype)) and not onednn_packs(dtype)
         pytest.skip(f"nothing packs {dtype} on this CPU with {SKINNY_GEMM_ENV}={skinny}: F.linear runs")
     try:
         handle = layer[0]._cbcore_member.group.handle
