@@ -60,7 +60,8 @@ def cpp_extensions() -> list:
         cpp_extension.CppExtension(
             name="cbcore._C",
             sources=relative_sources(
-                "bindings.cpp", "allocator/*.cpp", "attention/cpu_*.cpp", "swap/swap.cpp", "linear/*.cpp", "runtime/*.cpp"
+                "bindings.cpp", "allocator/*.cpp", "attention/cpu_*.cpp", "swap/swap.cpp", "linear/*.cpp", "runtime/*.cpp",
+                "sampling/*.cpp",
             ),
             include_dirs=[str(CSRC)],
             extra_compile_args={"cxx": CXX_FLAGS + openmp_flags()},

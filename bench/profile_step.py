@@ -20,7 +20,8 @@ torch.profiler's events instead of timers (a compiled graph runs no Python a tim
 packed-linear op, `attention` the per-layer step-attention op (cache write and kernels), `graph_rest` the rest of the
 compiled graph (inductor's fused norms, RoPE, activations, residual adds), `dynamo` Dynamo's guard checks and graph
 entry, `host` the step's time outside the forward. The profiler costs a few microseconds per recorded op, so these
-steps run slightly slower than unprofiled ones. Writes `profile_<W>_<dtype>_compiled<N>.md`.
+steps run slightly slower than unprofiled ones. Writes `profile_<W>_<dtype>_compiled<N>.md`. `--top-ops N` also
+prints the N events of the decode steps with the most self CPU time (what the parts are made of).
 """
 
 from __future__ import annotations
@@ -88,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--decode-requests", type=int, default=None,
                         help="profile decode steps of this many requests instead of a named workload")
+    parser.add_argument("--top-ops", type=int, default=0, metavar="N",
+                        help="with --compile-level: also print the N events of the decode steps with the most self "
+                        "CPU time (what the parts are made of)")
     parser.add_argument("--compile-level", type=int, default=0, choices=(0, 1, 2, 3),
                         help="compile the step's forward at this default_compile_level (parts from torch.profiler)")
     args = parser.parse_args(argv)
@@ -258,9 +262,24 @@ def profile_compiled(manager, workload, args) -> int:
         lines.append(f"| {kind} | {counts[kind]} | {step_us / 1000:.2f} | {cells} |")
     text = "\n".join(lines) + "\n"
     print(text)
+    if args.top_ops:
+        print(_top_ops(events, kind_at, counts["decode"], args.top_ops))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"profile_{workload.name}_{args.dtype}_compiled{args.compile_level}.md").write_text(text)
     return 0
+
+
+def _top_ops(events, kind_at, decode_steps: int, n: int) -> str:
+    """The n event names of the decode steps with the most self CPU time, in microseconds per step."""
+    self_us, calls = collections.Counter(), collections.Counter()
+    for event in events:
+        if kind_at(event.time_range.start) == "decode":
+            self_us[event.name] += event.self_cpu_time_total
+            calls[event.name] += 1
+    rows = ["| event | calls/step | self us/step |", "|---|---:|---:|"]
+    for name, total in self_us.most_common(n):
+        rows.append(f"| {name[:90]} | {calls[name] / max(1, decode_steps):.1f} | {total / max(1, decode_steps):.0f} |")
+    return "\n".join(rows) + "\n"
 
 
 if __name__ == "__main__":

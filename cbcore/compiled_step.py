@@ -13,7 +13,8 @@ The configs (transformers' `CompileConfig`: backend, mode, fullgraph, dynamic, o
 else `default_compile_level` 1-3 gives a default; else the generation config's `compile_config`; else none (eager).
 The levels:
     0  eager (no compilation)
-    1  inductor, mode "default", dynamic token counts (transformers' level 1)
+    1  inductor, mode "default", dynamic token counts (transformers' level 1); every level without inductor's
+       run-time asserts on the custom ops' outputs (UNCHECKED_OUTPUTS)
     2  inductor, mode "max-autotune-no-cudagraphs" (autotuned kernels and matmul templates), dynamic token counts
        (transformers' level 2)
     3  as 2, plus coordinate-descent tuning of the generated GPU kernels. transformers' level 3 turns dynamic shapes
@@ -66,13 +67,20 @@ def default_compile_config(level: int) -> CompileConfig | None:
     if level == 0:
         return None
     if level == 1:
-        return CompileConfig(mode="default", fullgraph=False, dynamic=True)
+        return CompileConfig(mode="default", fullgraph=False, dynamic=True, options=dict(UNCHECKED_OUTPUTS))
     # transformers' level 3 also turns dynamic shapes off: with its steps padded to the CUDA-graph buckets that is
     # a bounded set of graphs. cbcore's steps are not padded, so static shapes would compile one graph per token
     # count (and fall back to eager past Dynamo's recompile limit); level 3 keeps them dynamic and adds the
     # coordinate-descent tuning of the generated GPU kernels instead.
-    options = {"coordinate_descent_tuning": True} if level == 3 else None
+    options = {**UNCHECKED_OUTPUTS, **({"coordinate_descent_tuning": True} if level == 3 else {})}
     return CompileConfig(mode="max-autotune-no-cudagraphs", fullgraph=False, dynamic=True, options=options)
+
+
+# Inductor options of the default levels: the generated code does not assert each custom op's output sizes, strides
+# and alignment at run time. A 30-layer step calls cbcore's ops 151 times and ran ~370 such checks, ~0.25 ms of a
+# ~40 ms decode step; the ops' outputs are what their fake implementations say (tests/test_custom_ops.py checks them
+# with torch.library.opcheck). An explicit compile config keeps inductor's defaults.
+UNCHECKED_OUTPUTS = {"size_asserts": False, "alignment_asserts": False}
 
 
 def resolve_compile_configs(cb_config, generation_config=None) -> tuple[CompileConfig | None, CompileConfig | None]:

@@ -19,6 +19,7 @@ chosen token and for the n most likely tokens of each step (n = 0: the chosen to
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -43,6 +44,25 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 PRIORITY_KWARG = "priority"
 # How many processor lists (one per prompt length, token limit and per-request values) the sampler keeps built.
 MAX_CACHED_PROCESSOR_LISTS = 1024
+
+
+def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
+    """`scores.argmax(dim=-1)` on the CPU: the first maximum of each row (a NaN counts as the maximum), by
+    `cbcore._C.greedy_tokens` where it is built (contiguous float32 rows, AVX2 or AVX-512: torch's CPU argmax carries
+    an index through a scalar reduction, ~0.4 ms for 16 rows of a 49k vocabulary against ~0.05), else torch's."""
+    kernel = _greedy_kernel()
+    if kernel is not None and scores.device.type == "cpu" and scores.dim() == 2 and scores.shape[1] > 0:
+        return kernel(scores)
+    return scores.argmax(dim=-1)
+
+
+@functools.cache
+def _greedy_kernel() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    try:
+        from . import _C
+    except ImportError:
+        return None
+    return getattr(_C, "greedy_tokens", None)
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -161,7 +181,7 @@ class Sampler:
                 if generator is not None:  # drawn from its own generator: the same whatever shares the step
                     tokens[row] = draw(probs[row : row + 1], generator)[0]
         else:
-            tokens = scores.argmax(dim=-1).cpu()
+            tokens = greedy_tokens(scores).cpu()
         logprobs = None
         if self.return_logprobs:
             log_softmax = torch.log_softmax(scores, dim=-1).cpu()

@@ -20,6 +20,7 @@
 #include "attention/cpu_attention_bindings.h"
 #include "linear/packed_linear.h"
 #include "runtime/openmp_team.h"
+#include "sampling/greedy.h"
 #include "swap/swap.h"
 
 #ifndef TORCH_EXTENSION_NAME
@@ -186,4 +187,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   cbcore::register_swap_bindings(m);
   cbcore::register_packed_linear_bindings(m);
   cbcore::register_runtime_bindings(m);
+  cbcore::register_greedy_bindings(m);
 }

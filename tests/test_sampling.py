@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+import torch
 from transformers import GenerationConfig
 
 import cbcore
@@ -155,3 +157,48 @@ def test_draw_samples_each_rows_distribution_and_never_a_zero_probability_token(
     assert torch.all(counts[probs == 0] == 0)
     sigma = (probs * (1 - probs) / n).sqrt()
     assert torch.all((frequencies - probs).abs() <= 4 * sigma + 1e-9), frequencies
+
+
+@pytest.mark.parametrize("isa", ["auto", "avx2", "avx512"])
+@pytest.mark.parametrize("vocab", [1, 7, 16, 31, 32, 33, 100, 8192, 49152])
+def test_greedy_tokens_are_torch_argmax_ties_nans_and_infinities_included(vocab: int, isa: str) -> None:
+    """The sampler's greedy choice (cbcore._C.greedy_tokens where built) is torch.argmax's: the first maximum of each
+    row, a NaN counting as the maximum (the first NaN), an all -inf row giving 0; with each instruction set's rows
+    (vector and tail elements), for contiguous, strided and non-float32 scores."""
+    import functools
+
+    from cbcore import _C, sampling
+
+    if isa == "auto":
+        greedy_tokens = sampling.greedy_tokens
+    else:
+        try:
+            _C.greedy_tokens(torch.zeros(1, 1), isa)
+        except ValueError:
+            pytest.skip(f"this CPU has no {isa}")
+        greedy_tokens = functools.partial(_C.greedy_tokens, isa=isa)
+
+    generator = torch.Generator().manual_seed(vocab)
+    rows = [torch.randn(vocab, generator=generator) for _ in range(12)]
+    rows[1][:] = 0.25  # every element tied: the first
+    rows[2][vocab // 2 :] = rows[2].max() + 1  # ties on the new maximum: the first of them
+    rows[3][:] = float("-inf")
+    rows[4][vocab - 1] = float("nan")  # a NaN in the tail
+    rows[5][vocab // 3] = float("nan")
+    rows[5][vocab - 1] = float("nan")  # two NaNs: the first
+    rows[6][vocab - 1] = float("inf")
+    rows[7][0] = float("inf")
+    rows[7][vocab - 1] = float("inf")
+    rows[8] = rows[8].round(decimals=1)  # many ties below the maximum
+    rows[9][vocab // 2] = -0.0
+    rows[9][:] = rows[9].clamp(max=0.0)  # zeros of both signs tied on the maximum
+    scores = torch.stack(rows)
+    assert greedy_tokens(scores).tolist() == scores.argmax(dim=-1).tolist()
+    strided = torch.stack(rows, dim=1).t()  # rows not contiguous: torch's argmax runs
+    assert greedy_tokens(strided).tolist() == strided.argmax(dim=-1).tolist()
+    padded = torch.cat([scores, torch.zeros(12, 5)], dim=1)[:, :vocab]  # rows with a stride past their length
+    assert greedy_tokens(padded).tolist() == padded.argmax(dim=-1).tolist()
+    half = scores.to(torch.bfloat16)
+    assert greedy_tokens(half).tolist() == half.argmax(dim=-1).tolist()
+    many = torch.randn(300, vocab, generator=generator)  # enough rows for several threads
+    assert greedy_tokens(many).tolist() == many.argmax(dim=-1).tolist()
