@@ -9,7 +9,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/argmax.h>
 #include <ATen/ops/empty.h>
-#include <immintrin.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <cmath>
@@ -17,14 +16,23 @@
 #include <limits>
 #include <string>
 
+// The vector rows are x86-64 only (GCC or Clang target attributes); elsewhere torch's argmax runs.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define CBCORE_GREEDY_X86 1
+#include <immintrin.h>
+#else
+#define CBCORE_GREEDY_X86 0
+#endif
+
 namespace cbcore {
 namespace {
 
-// The first NaN of the row at or after `from`, or -1.
-int64_t first_nan(const float* x, int64_t n, int64_t from) {
-  for (int64_t i = from; i < n; ++i)
+#if CBCORE_GREEDY_X86
+// The first NaN of the row (there is one: the vector pass saw it).
+int64_t first_nan(const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
     if (std::isnan(x[i])) return i;
-  return -1;
+  return 0;
 }
 
 __attribute__((target("avx512f"))) int64_t row_argmax_avx512(const float* x, int64_t n) {
@@ -44,7 +52,7 @@ __attribute__((target("avx512f"))) int64_t row_argmax_avx512(const float* x, int
     nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
     m0 = _mm512_max_ps(m0, a);
   }
-  if (nan) return first_nan(x, n, 0);
+  if (nan) return first_nan(x, n);
   const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_max_ps(m0, m1)));
   for (i = 0; i + 16 <= n; i += 16) {
     const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), m, _CMP_EQ_OQ);
@@ -67,10 +75,10 @@ __attribute__((target("avx2"))) int64_t row_argmax_avx2(const float* x, int64_t 
   }
   float best = -std::numeric_limits<float>::infinity();
   for (; i < n; ++i) {
-    if (std::isnan(x[i])) return first_nan(x, n, 0);
+    if (std::isnan(x[i])) return first_nan(x, n);
     best = std::max(best, x[i]);
   }
-  if (_mm256_movemask_ps(nan)) return first_nan(x, n, 0);
+  if (_mm256_movemask_ps(nan)) return first_nan(x, n);
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, _mm256_max_ps(m0, m1));
   for (float v : lanes) best = std::max(best, v);
@@ -84,8 +92,11 @@ __attribute__((target("avx2"))) int64_t row_argmax_avx2(const float* x, int64_t 
   return 0;
 }
 
-// Whether this CPU runs the vector rows (else torch's argmax runs).
+#endif  // CBCORE_GREEDY_X86
+
+// The lanes of the vector rows this CPU runs: 16 (AVX-512), 8 (AVX2), 0 (none: torch's argmax runs).
 int vector_width() {
+#if CBCORE_GREEDY_X86
   static const int width = [] {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f")) return 16;
@@ -93,6 +104,9 @@ int vector_width() {
     return 0;
   }();
   return width;
+#else
+  return 0;
+#endif
 }
 
 // [rows, vocab] scores -> [rows] int64 token ids, torch.argmax(scores, dim=-1)'s answer. isa: "auto" (the widest
@@ -109,17 +123,21 @@ at::Tensor greedy_tokens(const at::Tensor& scores, const std::string& isa) {
   }
   if (!scores.device().is_cpu() || scores.scalar_type() != at::kFloat || scores.stride(1) != 1 || width == 0)
     return at::argmax(scores, 1);
+#if CBCORE_GREEDY_X86
   const int64_t rows = scores.size(0), vocab = scores.size(1), stride = scores.stride(0);
   at::Tensor tokens = at::empty({rows}, scores.options().dtype(at::kLong));
   const float* x = scores.const_data_ptr<float>();
   int64_t* out = tokens.data_ptr<int64_t>();
-  // A thread's share at least ~256K elements (a quarter of a millisecond's reading): fewer cost more to hand out.
+  // A thread's share at least 256K scores (1 MB): fewer cost more to hand out than they take to read.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / vocab);
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       out[r] = width == 16 ? row_argmax_avx512(x + r * stride, vocab) : row_argmax_avx2(x + r * stride, vocab);
   });
   return tokens;
+#else
+  return at::argmax(scores, 1);  // not reached: width is 0 here
+#endif
 }
 
 }  // namespace
