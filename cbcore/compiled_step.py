@@ -78,8 +78,9 @@ def default_compile_config(level: int) -> CompileConfig | None:
 
 # Inductor options of the default levels: the generated code does not assert each custom op's output sizes, strides
 # and alignment at run time. A 30-layer step calls cbcore's ops 151 times and ran ~370 such checks, ~0.25 ms of a
-# ~40 ms decode step; the ops' outputs are what their fake implementations say (tests/test_custom_ops.py checks them
-# with torch.library.opcheck). An explicit compile config keeps inductor's defaults.
+# ~40 ms decode step. An explicit compile config keeps inductor's defaults, so the asserts still run in the tests that
+# serve with one (tests/test_compiled_step.py: decode and varlen graphs, a sliding window): there each op's output is
+# checked against what its fake implementation says.
 UNCHECKED_OUTPUTS = {"size_asserts": False, "alignment_asserts": False}
 
 

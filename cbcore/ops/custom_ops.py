@@ -80,9 +80,9 @@ def _(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale, sliding
 
 
 # Defined with torch.library's lower-level API rather than `custom_op`: the compiled graph calls it once per layer per
-# step, and `custom_op`'s Python wrapper (autograd redispatch, aliasing check, Dynamo guard) cost ~13 us a call, a
-# tenth of a small step's attention per layer. It mutates nothing the graph sees, returns a fresh tensor, and has no
-# autograd formula (the engine runs under inference mode).
+# step, and `custom_op`'s Python wrapper (autograd redispatch, aliasing check, Dynamo guard) made a call cost 12.5 us
+# against 5.8 for the same op defined this way (a trivial body, measured on this project's CPU). It mutates nothing
+# the graph sees, returns a fresh tensor, and has no autograd formula (the engine runs under inference mode).
 _library = torch.library.Library("cbcore", "FRAGMENT")
 _library.define(
     "step_attention(Tensor query, Tensor key, Tensor value, int layer, float scale, int? sliding_window=None, "
