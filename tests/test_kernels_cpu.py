@@ -336,6 +336,19 @@ def test_every_isa_prefill_matches_reference(isa, dtype, head_dim) -> None:
     assert_matches_reference(got, want, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("group", "v_head_dim"), [(1, 64), (3, 64), (5, 32), (8, 128)])
+@pytest.mark.parametrize("window", [None, 70, 150])
+def test_every_isa_prefill_skips_only_rows_that_see_nothing(isa, dtype, group, v_head_dim, window) -> None:
+    """The AVX-512 prefill skips, per 64-key tile, the leading rows the causal mask hides all of it from and the
+    trailing rows whose window ended before it. Prompts of 300 queries after 0 or 77 cached keys span several query
+    tiles (128 rows / group) and key tiles; windows of 70 and 150 end inside and across tiles; group sizes that leave
+    4-row blocks ragged."""
+    k_lens, q_lens = [300, 377, 65], [300, 300, 64]
+    got, want = prefill_case(k_lens, q_lens, 16, 2 * group, 2, 64, window, dtype, sinks=True, v_head_dim=v_head_dim)
+    assert_matches_reference(got, want, dtype)
+
+
 @pytest.mark.parametrize(("group", "v_head_dim"), [(1, 64), (3, 64), (8, 64), (9, 128), (4, 32)])
 def test_every_isa_decode_group_sizes_and_v_head_dims(isa, group, v_head_dim) -> None:
     """Group sizes around the AVX-512 weighted sum's 4-row blocks, and a V head dim of its own (MLA)."""

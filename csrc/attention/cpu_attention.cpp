@@ -123,6 +123,7 @@ struct PrefillParams {
   const float* sinks;  // nullptr: none; else [heads]
   void* out;           // [num_tokens, heads, v_head_dim] contiguous
   int64_t out_stride_t;
+  bool dpbf16;  // the AVX-512 copy may use vdpbf16ps (as DecodeParams::dpbf16)
 };
 
 struct PrefillItem {
@@ -786,6 +787,7 @@ void prefill_attention_planned(const PrefillPlan& prefill_plan, const at::Tensor
                   static_cast<float>(scale), plan.window, cap, sink,
                   out.data_ptr(), out.stride(0)};
   const Isa isa = active_isa().load();
+  P.dpbf16 = isa == Isa::kAvx512Bf16;
   dispatch_dtype(q.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     CB_RUN_ISA(isa, prefill_run<T>, P, plan.items, plan.total_cost);
