@@ -12,9 +12,11 @@ Shapes (every request's pages scattered in shuffled block order, as a long-runni
   every block table, as prefix sharing leaves them) plus 16..64 own prompt tokens and 0..63 generated ones. One
   layer's decode attention with the step's plan built beforehand (as every layer but the first reuses it):
   `cascade` (the plan groups the 64) against `plain` (`plan_decode(..., cascade=False)`).
-- prefill: 9/3x64, whole prompts packed (cu_seqlens), causal: batch x prompt 1x512, 4x1024, 2x2048.
+- prefill: 9/3x64, whole prompts packed (cu_seqlens), causal: batch x prompt 1x512, 4x1024, 2x2048; and W2's
+  prefill after its prefix hit (8/4x64): 16 requests x 40 own tokens after 512 cached keys.
     GFLOP/s = 4 x heads x head_dim x (visible (query, key) pairs) / time; a prompt of L tokens has L(L+1)/2 visible
-    pairs (2 flops per multiply-add, once for QK^T and once for PV; masked pairs and the softmax are not counted).
+    pairs, a chunk of q queries after p cached keys q p + q(q+1)/2 (2 flops per multiply-add, once for QK^T and once
+    for PV; masked pairs and the softmax are not counted).
 - machine: `x.sum()` over 256 MiB fp32 (bytes read / time) and `y.copy_(x)` (bytes read + written / time), torch's own
     vectorised kernels on all threads: the practical read-bandwidth ceiling for decode.
 
@@ -49,6 +51,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 HEAD_SHAPES = {"9/3x64": (9, 3, 64), "32/8x128": (32, 8, 128)}  # heads, kv heads, head dim
 DECODE_SHAPES = [(32, 1024), (64, 2048)]  # (batch, context)
 PREFILL_SHAPES = [(1, 512), (4, 1024), (2, 2048)]  # (batch, prompt length)
+W2_PREFILL_BATCH, W2_PREFILL_QUERIES = 16, 40  # W2's prefill after its prefix hit: 40 own tokens after W2_PREFIX
 ISAS = ops.cpu_isas()
 IMPLEMENTATIONS = [f"cpp-{isa}" for isa in ISAS] + ["reference"]
 PREFILL_IMPLEMENTATIONS = [f"cpp-{isa}" for isa in ISAS if isa != "generic"] + ["reference"]
@@ -181,9 +184,31 @@ def test_prefill(benchmark, batch, context, dtype, implementation) -> None:
         fn = on_isa(implementation, lambda: _C.prefill_attention(q, k_cache, v_cache, table, cu, lens, scale, -1))
     seconds = run_and_time(benchmark, fn, slow=True)
     flops = 4 * heads * head_dim * batch * context * (context + 1) // 2
-    benchmark.extra_info.update(op="prefill", heads="9/3x64", batch=batch, context=context, dtype=dtype,
-                                implementation=implementation, threads=THREADS, flops=flops,
+    benchmark.extra_info.update(op="prefill", heads="9/3x64", batch=batch, context=context, queries=context,
+                                dtype=dtype, implementation=implementation, threads=THREADS, flops=flops,
                                 gflop_per_s=flops / seconds / 1e9)
+    ROWS.append(dict(benchmark.extra_info, ms=seconds * 1e3))
+
+
+@pytest.mark.parametrize("implementation", PREFILL_IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_prefill_after_prefix_w2(benchmark, dtype, implementation) -> None:
+    """W2's prefill once its prefix is cached: each request's own tokens against the prefix and themselves."""
+    batch, queries, context = W2_PREFILL_BATCH, W2_PREFILL_QUERIES, W2_PREFIX + W2_PREFILL_QUERIES
+    q, k_cache, v_cache, table = paged_inputs(batch, context, W2_HEADS, W2_KV_HEADS, W2_HEAD_DIM, DTYPES[dtype],
+                                              batch * queries)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    cu = torch.arange(0, batch * queries + 1, queries, dtype=torch.int32)
+    scale = W2_HEAD_DIM**-0.5
+    if implementation == "reference":
+        fn = lambda: ops.prefill_attention_reference(q, k_cache, v_cache, table, cu, lens, scale)  # noqa: E731
+    else:
+        fn = on_isa(implementation, lambda: _C.prefill_attention(q, k_cache, v_cache, table, cu, lens, scale, -1))
+    seconds = run_and_time(benchmark, fn, slow=True)
+    flops = 4 * W2_HEADS * W2_HEAD_DIM * batch * (queries * W2_PREFIX + queries * (queries + 1) // 2)
+    benchmark.extra_info.update(op="prefill", heads=f"{W2_HEADS}/{W2_KV_HEADS}x{W2_HEAD_DIM}", batch=batch,
+                                context=context, queries=queries, dtype=dtype, implementation=implementation,
+                                threads=THREADS, flops=flops, gflop_per_s=flops / seconds / 1e9)
     ROWS.append(dict(benchmark.extra_info, ms=seconds * 1e3))
 
 
@@ -256,7 +281,9 @@ def _write_report(request):
         f"- cascade: W2's step, {W2_BATCH} requests sharing a {W2_PREFIX}-token prefix (page size {W2_PAGE}) + "
         f"16..64 own prompt tokens + 0..63 generated, heads {W2_HEADS}/{W2_KV_HEADS}x{W2_HEAD_DIM}; one layer's "
         "planned decode, plan built beforehand",
-        f"- prefill: heads 9/3x64, batch x prompt {', '.join(f'{b}x{c}' for b, c in PREFILL_SHAPES)}",
+        f"- prefill: heads 9/3x64, batch x prompt {', '.join(f'{b}x{c}' for b, c in PREFILL_SHAPES)}; W2's after "
+        f"its prefix hit, heads {W2_HEADS}/{W2_KV_HEADS}x{W2_HEAD_DIM}, {W2_PREFILL_BATCH} requests x "
+        f"{W2_PREFILL_QUERIES} queries after {W2_PREFIX} cached keys",
         "- counts: decode GB/s = K+V bytes read / median time, % = of this run's `sum` read bandwidth, tokens/s = "
         "batch / median time; prefill GFLOP/s = 4 x heads x head_dim x causal (query, key) pairs / median time; "
         "memory = torch sum (read) and copy (read + write) of 256 MiB",
@@ -286,15 +313,20 @@ def _write_report(request):
             plain, casc = cascade.get(("plain", dtype, f"cpp-{isa}")), cascade.get(("cascade", dtype, f"cpp-{isa}"))
             if plain and casc:
                 lines.append(f"| {dtype} | cpp-{isa} | {plain:.3f} | {casc:.3f} | {casc / plain:.2f}x |")
-    lines += ["", "## Prefill", "", "| batch x prompt | dtype | implementation | ms | GFLOP/s | vs reference |",
-              "|---|---|---|---|---|---|"]
-    reference_ms = {(r["batch"], r["context"], r["dtype"]): r["ms"] for r in ROWS
+    lines += ["", "## Prefill", "",
+              "| heads | batch x queries | dtype | implementation | ms | GFLOP/s | vs reference |",
+              "|---|---|---|---|---|---|---|"]
+    shape = lambda r: (r["heads"], r["batch"], r["context"], r.get("queries", r["context"]))  # noqa: E731
+    reference_ms = {(*shape(r), r["dtype"]): r["ms"] for r in ROWS
                     if r["op"] == "prefill" and r["implementation"] == "reference"}
     for r in sorted((r for r in ROWS if r["op"] == "prefill"),
-                    key=lambda r: (r["batch"] * r["context"], r["context"], r["dtype"], order[r["implementation"]])):
-        ref = reference_ms.get((r["batch"], r["context"], r["dtype"]))
+                    key=lambda r: (r["heads"], r["batch"] * r["context"], r["context"], r["dtype"],
+                                   order[r["implementation"]])):
+        ref = reference_ms.get((*shape(r), r["dtype"]))
         speedup = f"{ref / r['ms']:.1f}x" if ref else ""
-        lines.append(f"| {r['batch']}x{r['context']} | {r['dtype']} | {r['implementation']} | {r['ms']:.2f} | "
+        queries = r.get("queries", r["context"])
+        label = f"{r['batch']}x{queries}" + ("" if queries == r["context"] else f" after {r['context'] - queries}")
+        lines.append(f"| {r['heads']} | {label} | {r['dtype']} | {r['implementation']} | {r['ms']:.2f} | "
                      f"{r['gflop_per_s']:.1f} | {speedup} |")
     lines += ["", "## Machine", "", "| op | GB/s |", "|---|---|"]
     lines += [f"| {op} (256 MiB fp32) | {gbs:.1f} |" for op, gbs in sorted(memory.items())]
