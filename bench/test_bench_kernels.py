@@ -166,50 +166,44 @@ def test_cascade_w2(benchmark, variant, dtype, isa) -> None:
     ROWS.append(dict(benchmark.extra_info, ms=seconds * 1e3))
 
 
-@pytest.mark.parametrize("implementation", PREFILL_IMPLEMENTATIONS)
-@pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize(("batch", "context"), PREFILL_SHAPES, ids=[f"{b}x{c}" for b, c in PREFILL_SHAPES])
-def test_prefill(benchmark, batch, context, dtype, implementation) -> None:
-    heads, kv_heads, head_dim = HEAD_SHAPES["9/3x64"]
-    if implementation == "reference" and context > 1024:
-        pytest.skip("the reference runs on the smaller shapes only")
+def time_prefill(benchmark, head_shape: tuple[int, int, int], batch: int, queries: int, context: int, dtype: str,
+                 implementation: str) -> None:
+    """One prefill call of `batch` requests, each `queries` new tokens ending a context of `context` keys (a whole
+    prompt when the two are equal); records its time and GFLOP/s over the visible (query, key) pairs in ROWS."""
+    heads, kv_heads, head_dim = head_shape
     q, k_cache, v_cache, table = paged_inputs(batch, context, heads, kv_heads, head_dim, DTYPES[dtype],
-                                              batch * context)
+                                              batch * queries)
     lens = torch.full((batch,), context, dtype=torch.int32)
-    cu = torch.arange(0, batch * context + 1, context, dtype=torch.int32)
+    cu = torch.arange(0, batch * queries + 1, queries, dtype=torch.int32)
     scale = head_dim**-0.5
     if implementation == "reference":
         fn = lambda: ops.prefill_attention_reference(q, k_cache, v_cache, table, cu, lens, scale)  # noqa: E731
     else:
         fn = on_isa(implementation, lambda: _C.prefill_attention(q, k_cache, v_cache, table, cu, lens, scale, -1))
     seconds = run_and_time(benchmark, fn, slow=True)
-    flops = 4 * heads * head_dim * batch * context * (context + 1) // 2
-    benchmark.extra_info.update(op="prefill", heads="9/3x64", batch=batch, context=context, queries=context,
-                                dtype=dtype, implementation=implementation, threads=THREADS, flops=flops,
-                                gflop_per_s=flops / seconds / 1e9)
+    cached = context - queries
+    flops = 4 * heads * head_dim * batch * (queries * cached + queries * (queries + 1) // 2)
+    benchmark.extra_info.update(op="prefill", heads=f"{heads}/{kv_heads}x{head_dim}", batch=batch, context=context,
+                                queries=queries, dtype=dtype, implementation=implementation, threads=THREADS,
+                                flops=flops, gflop_per_s=flops / seconds / 1e9)
     ROWS.append(dict(benchmark.extra_info, ms=seconds * 1e3))
+
+
+@pytest.mark.parametrize("implementation", PREFILL_IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize(("batch", "context"), PREFILL_SHAPES, ids=[f"{b}x{c}" for b, c in PREFILL_SHAPES])
+def test_prefill(benchmark, batch, context, dtype, implementation) -> None:
+    if implementation == "reference" and context > 1024:
+        pytest.skip("the reference runs on the smaller shapes only")
+    time_prefill(benchmark, HEAD_SHAPES["9/3x64"], batch, context, context, dtype, implementation)
 
 
 @pytest.mark.parametrize("implementation", PREFILL_IMPLEMENTATIONS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_prefill_after_prefix_w2(benchmark, dtype, implementation) -> None:
     """W2's prefill once its prefix is cached: each request's own tokens against the prefix and themselves."""
-    batch, queries, context = W2_PREFILL_BATCH, W2_PREFILL_QUERIES, W2_PREFIX + W2_PREFILL_QUERIES
-    q, k_cache, v_cache, table = paged_inputs(batch, context, W2_HEADS, W2_KV_HEADS, W2_HEAD_DIM, DTYPES[dtype],
-                                              batch * queries)
-    lens = torch.full((batch,), context, dtype=torch.int32)
-    cu = torch.arange(0, batch * queries + 1, queries, dtype=torch.int32)
-    scale = W2_HEAD_DIM**-0.5
-    if implementation == "reference":
-        fn = lambda: ops.prefill_attention_reference(q, k_cache, v_cache, table, cu, lens, scale)  # noqa: E731
-    else:
-        fn = on_isa(implementation, lambda: _C.prefill_attention(q, k_cache, v_cache, table, cu, lens, scale, -1))
-    seconds = run_and_time(benchmark, fn, slow=True)
-    flops = 4 * W2_HEADS * W2_HEAD_DIM * batch * (queries * W2_PREFIX + queries * (queries + 1) // 2)
-    benchmark.extra_info.update(op="prefill", heads=f"{W2_HEADS}/{W2_KV_HEADS}x{W2_HEAD_DIM}", batch=batch,
-                                context=context, queries=queries, dtype=dtype, implementation=implementation,
-                                threads=THREADS, flops=flops, gflop_per_s=flops / seconds / 1e9)
-    ROWS.append(dict(benchmark.extra_info, ms=seconds * 1e3))
+    time_prefill(benchmark, (W2_HEADS, W2_KV_HEADS, W2_HEAD_DIM), W2_PREFILL_BATCH, W2_PREFILL_QUERIES,
+                 W2_PREFIX + W2_PREFILL_QUERIES, dtype, implementation)
 
 
 @pytest.mark.parametrize("operation", ["sum", "copy"])
