@@ -154,8 +154,8 @@ void run_items(int64_t num_items, int64_t total_cost, const F& work) {
 }
 
 // run_items, each thread taking its next item before it runs the current one: work(i, following, scratch) knows
-// the item it runs after i (-1: none), so that i's last tile can prefetch following's first. Taking one item early
-// leaves the other threads at most one (the smallest: items come sorted by cost) more to wait for at the end.
+// the item it runs after i (-1: none), so that i's last tiles can prefetch following's first keys. Taking one item
+// early leaves the other threads at most one (the smallest: items come sorted by cost) more to wait for at the end.
 template <typename F>
 void run_items_with_next(int64_t num_items, int64_t total_cost, const F& work) {
   if (num_items == 0) return;
