@@ -12,9 +12,11 @@ A decode step multiplies few rows (16 on average in W4) by every weight of the m
 neither the FMA rate nor the memory's: there cbcore's own skinny matmul (csrc/linear/skinny_gemm.cpp: weights in
 16-column panels streamed once per call with prefetches; AVX-512 fp32 FMAs or AVX512-BF16 `vdpbf16ps`, or AVX2
 FMAs on CPUs without AVX-512) runs the linears of a W4-shaped decode step 1.5-1.6x faster in fp32 and 1.7x in bf16
-on a Zen 4 (`bench/results/linear_cpu.md`). Where the CPU has the instructions (`_C.skinny_available`: AVX2 and FMA
-at least) it replaces oneDNN's copy of an fp32 weight (on a prefill's hundreds of rows it reaches 0.9-1.04x oneDNN
-in fp32 on wide projections: still one copy); a bf16 weight keeps oneDNN's copy as well where oneDNN packs bf16
+on a Zen 4 (`bench/results/linear_cpu.md`). On a CPU with AMX tiles oneDNN runs bf16 on them, several times the
+skinny matmul's rate, and fp32 faster on a prefill's rows: there the choice differs (`linear_backends`). Elsewhere,
+where the CPU has the instructions (`_C.skinny_available`: AVX2 and FMA at least), it replaces oneDNN's copy
+of an fp32 weight (on a prefill's hundreds of rows it reaches 0.9-1.04x oneDNN in fp32 on wide projections: still
+one copy); a bf16 weight keeps oneDNN's copy as well where oneDNN packs bf16
 (AVX-512), for calls of more than 64 rows, where the skinny matmul reached only 0.7-0.95 of oneDNN (a second copy,
 of half the bytes of fp32's). On an AVX2-only CPU oneDNN packs no bf16 weight and torch's bf16 `F.linear` runs at
 ~12-18 GFLOP/s: there every bf16 call runs the skinny matmul (60-150 GFLOP/s on a Zen 3).
@@ -41,7 +43,7 @@ Weights changed in place (an optimizer step between two `generate_batch` calls, 
 by the op: it keeps the source tensors with their `_version` counters and reorders again when one moved. Weights
 replaced by other tensors are seen when the engine looks for weight changes (when its loop starts and when a pause is
 released: `PackedLinears.refresh`). Memory: the packed copy costs one more copy of the linear weights while a manager
-runs (in bf16 with the skinny matmul, two copies of the bf16 weights).
+runs (two where a weight has both the skinny matmul's panels and oneDNN's copy: bf16 without AMX, fp32 with it).
 
 Numerics: oneDNN sums in a different order than MKL, as any change of batch shape already does; greedy parity with
 `model.generate` is tested with it on. `CBCORE_PACKED_LINEAR=0` turns packing off (read at attach), and
@@ -102,6 +104,51 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     return True
 
 
+# The most rows a call runs on the skinny matmul when oneDNN's copy is there too. bf16 on a CPU without AMX: at 64
+# rows the skinny matmul was 1.1x oneDNN on a W4-shaped step on a Zen 4, at 128 0.94x.
+SKINNY_MAX_ROWS_BF16 = 64
+# fp32 on a CPU with AMX tiles (which also has two 512-bit FMA units a core): on a Xeon with AMX the skinny matmul
+# ran a step's linears in 0.72-0.89x oneDNN's time at 8-32 rows, 0.93-1.01x at 64, 1.07-1.15x at 128 and 1.32x at
+# 512 (bench/linear_crossover.py, bench/results/linear_crossover_xeon_amx.md).
+SKINNY_MAX_ROWS_FP32_AMX = 64
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (Intel Xeon of the 4th generation and later), on which oneDNN runs bf16 matmuls.
+    torch's own check, private, so a build without it counts as no AMX."""
+    check = getattr(getattr(torch, "cpu", None), "_is_amx_tile_supported", None)
+    try:
+        return bool(check()) if check is not None else False
+    except RuntimeError:
+        return False
+
+
+def linear_backends(dtype: torch.dtype) -> tuple[bool, int]:
+    """Where this CPU runs a packed weight of `dtype`: `(skinny, skinny_max_rows)` for `_C.register_packed_linear`.
+    `skinny`: packed for cbcore's skinny matmul (where the CPU runs it for the dtype), else for oneDNN alone;
+    `skinny_max_rows` >= 0: oneDNN's copy too, for calls of more rows; -1: every call on the skinny matmul.
+
+    - `CBCORE_SKINNY_GEMM=0`, or no skinny matmul for the dtype here: oneDNN alone.
+    - AMX: bf16 on oneDNN alone (on its AMX tiles it ran a step's linears 0.96-1.2x as fast as the skinny matmul at
+      1-8 rows, 1.3-1.5x at 16, 3.5-4x at 64, 6.8x at 512); fp32 on the skinny matmul up to SKINNY_MAX_ROWS_FP32_AMX
+      rows, where it streams a decode step's weights as fast or faster, and on oneDNN's copy above (1.07-1.15x at
+      128 rows, 1.32x at 512: two FMA units a core favour oneDNN's larger register tiles).
+    - Otherwise (a Zen 4, an AVX2 CPU): fp32 on the skinny matmul alone (one copy: on a prefill's rows it reached
+      0.9-1.04x oneDNN on wide projections), bf16 on the skinny matmul up to SKINNY_MAX_ROWS_BF16 rows and on
+      oneDNN's copy above, where oneDNN packs bf16.
+    """
+    if not (env_switch(SKINNY_GEMM_ENV) and _extension().skinny_available(dtype)):
+        return False, -1
+    if cpu_has_amx():
+        if dtype == torch.bfloat16:
+            return False, -1
+        return True, SKINNY_MAX_ROWS_FP32_AMX
+    if dtype == torch.bfloat16:
+        return True, SKINNY_MAX_ROWS_BF16
+    return True, -1
+
+
 def packing_enabled() -> bool:
     """`CBCORE_PACKED_LINEAR` (default on): 0/false/no/off turn packing off; anything else not recognised raises."""
     return env_switch(PACKED_LINEAR_ENV)
@@ -133,7 +180,8 @@ class _PackedWeight:
         self.sources = [(module.weight, module.bias) for module in self.modules]
         weights = [module.weight.detach() for module in self.modules]
         biases = [] if self.modules[0].bias is None else [module.bias.detach() for module in self.modules]
-        _extension().register_packed_linear(self.handle, weights, biases, env_switch(SKINNY_GEMM_ENV))
+        skinny, skinny_max_rows = linear_backends(weights[0].dtype)
+        _extension().register_packed_linear(self.handle, weights, biases, skinny, skinny_max_rows)
 
     def drop(self) -> None:
         """Release the packed copy (and the op's references to the sources)."""

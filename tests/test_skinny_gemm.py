@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cbcore.linear import SKINNY_GEMM_ENV, PackedLinears, onednn_packs, packing_available
+from cbcore import linear
+from cbcore.linear import SKINNY_GEMM_ENV, PackedLinears, linear_backends, onednn_packs, packing_available
 from cbcore.attention import paged_step
 
 _C = pytest.importorskip("cbcore._C")
@@ -89,13 +90,65 @@ def test_the_packed_linear_runs_the_skinny_matmul_where_the_cpu_has_it(monkeypat
         pytest.skip(f"nothing packs {dtype} on this CPU with {SKINNY_GEMM_ENV}={skinny}: F.linear runs")
     try:
         handle = layer[0]._cbcore_member.group.handle
-        assert _C.packed_linear_is_skinny(handle) == (skinny == "1" and _available(dtype))
-        for rows in (1, 16, 300):
+        expect_skinny, skinny_max_rows = linear_backends(dtype)
+        assert expect_skinny == (skinny == "1" and _available(dtype) and not (linear.cpu_has_amx() and
+                                                                              dtype == torch.bfloat16))
+        assert _C.packed_linear_is_skinny(handle) == expect_skinny
+        onednn_copy = not expect_skinny or (skinny_max_rows >= 0 and onednn_packs(dtype))
+        expected_above = (0 if not expect_skinny else skinny_max_rows) if onednn_copy else -1
+        assert _C.packed_linear_onednn_above(handle) == expected_above
+        for rows in (1, 16, 17, 64, 65, 300):
             x = torch.randn(rows, 96, dtype=dtype)
             with paged_step():
                 inside = layer(x)
             expected = torch.nn.functional.linear(x, layer[0].weight, layer[0].bias)
             assert torch.allclose(inside.float(), expected.float(), rtol=tolerance, atol=tolerance)
+    finally:
+        packed.detach()
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_the_backends_follow_the_cpu(monkeypatch, amx) -> None:
+    """With AMX, bf16 runs oneDNN alone and fp32 the skinny matmul up to SKINNY_MAX_ROWS_FP32_AMX rows, oneDNN
+    above; without, fp32 the skinny matmul alone and bf16 the skinny matmul up to SKINNY_MAX_ROWS_BF16 rows;
+    CBCORE_SKINNY_GEMM=0 oneDNN alone."""
+    monkeypatch.setattr(linear, "cpu_has_amx", lambda: amx)
+    for dtype in (torch.float32, torch.bfloat16):
+        if not _available(dtype):
+            assert linear_backends(dtype) == (False, -1)
+            continue
+        if amx:
+            expected = (False, -1) if dtype == torch.bfloat16 else (True, linear.SKINNY_MAX_ROWS_FP32_AMX)
+        else:
+            expected = (True, -1) if dtype == torch.float32 else (True, linear.SKINNY_MAX_ROWS_BF16)
+        assert linear_backends(dtype) == expected
+    monkeypatch.setenv(SKINNY_GEMM_ENV, "0")
+    assert linear_backends(torch.float32) == linear_backends(torch.bfloat16) == (False, -1)
+
+
+@pytest.mark.skipif(not packing_available() or not _available(torch.float32), reason="no skinny matmul or oneDNN")
+def test_calls_past_the_row_limit_run_onednns_copy(monkeypatch) -> None:
+    """A weight packed for both: calls of up to skinny_max_rows rows take the skinny matmul, more oneDNN's copy;
+    both give F.linear's result."""
+    monkeypatch.setattr(linear, "linear_backends", lambda dtype: (True, 8))
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 48, bias=True))
+    packed = PackedLinears.attach(layer)
+    try:
+        handle = layer[0]._cbcore_member.group.handle
+        assert _C.packed_linear_is_skinny(handle) and _C.packed_linear_onednn_above(handle) == 8
+        w, b = layer[0].weight.detach(), layer[0].bias.detach()
+        panels, blocked = _C.skinny_pack(w), torch.ops.mkldnn._reorder_linear_weight(w, None)
+        for rows in (1, 8, 9, 100):
+            x = torch.randn(rows, 64)
+            with paged_step():
+                inside = layer(x)
+            torch.testing.assert_close(inside, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+            # Which matmul ran: its result, bit for bit.
+            if rows <= 8:
+                assert torch.equal(inside, _C.skinny_matmul(x, panels, 48, b))
+            else:
+                assert torch.equal(inside, torch.ops.mkldnn._linear_pointwise(x, blocked, b, "none", [], None))
     finally:
         packed.detach()
 

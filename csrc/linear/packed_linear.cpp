@@ -1,10 +1,10 @@
 // torch.ops.cbcore.packed_linear(x, handle): x @ W.T + b for a weight packed once, looked up by an integer handle:
 // into the skinny matmul's panels where the CPU runs it for the dtype (csrc/linear/skinny_gemm.cpp: AVX-512 or
-// AVX2), else into oneDNN's blocked layout. On a decode step's few rows the skinny matmul is
-// 1.1-1.7x oneDNN's (bench/results/linear_cpu.md). On a prefill's hundreds of rows it reaches 0.9-1.04x oneDNN in
-// fp32 on wide projections (0.64x at 256 columns), so an fp32 weight keeps only its panels (one copy, as before); in
-// bf16 it reaches 0.7-0.95 of oneDNN there, so a bf16 weight keeps oneDNN's copy too (a second copy of half the
-// bytes) and rows past kSkinnyMaxBf16Rows run on it.
+// AVX2), into oneDNN's blocked layout, or both, with calls of more rows than `skinny_max_rows` on oneDNN's copy.
+// Which of them a weight gets is the Python side's choice per CPU and dtype (cbcore/linear.py, linear_backends; the
+// figures are in bench/results/linear_cpu*.md): on a decode step's few rows the skinny matmul is 1.1-1.7x oneDNN's
+// on a Zen 4; on a CPU with AMX, oneDNN runs bf16 on its tiles at 1.4-10x the skinny matmul, and fp32 past a few
+// dozen rows at up to 1.6x.
 // A handle rather than the packed tensor (cbcore/linear.py says why: inductor takes no packed oneDNN weight as a
 // graph input, so the compiled step passes a handle). A C++ kernel rather than a Python custom op: the dispatcher
 // calls it directly, where a Python custom op cost ~35 us a call (a third of a small decode matmul's time).
@@ -37,8 +37,9 @@ struct PackedLinear {
   std::vector<at::Tensor> biases;   // [out_i] each, or empty
   std::vector<int64_t> versions;    // of weights then biases, when packed
   bool skinny = false;              // packed for the skinny matmul (csrc/linear/skinny_gemm.cpp)
+  int64_t skinny_max_rows = -1;     // with skinny: more rows run oneDNN's copy, packed too (-1: none, all skinny)
   at::Tensor panels;                // cat(weights) in the skinny matmul's panels, when skinny
-  at::Tensor packed_weight;         // cat(weights) in oneDNN's layout: unless skinny; bf16 skinny where oneDNN can
+  at::Tensor packed_weight;         // cat(weights) in oneDNN's layout: unless skinny, or skinny_max_rows >= 0
   std::optional<at::Tensor> packed_bias;
   int64_t in_features = 0;
   int64_t out_features = 0;
@@ -71,9 +72,9 @@ struct PackedLinear {
     packed_weight = at::Tensor();
     if (!skinny) {
       packed_weight = reorder.call(weight, std::nullopt);  // a dtype oneDNN cannot pack here raises (Python falls back)
-    } else if (weight.scalar_type() != at::kFloat) {
-      // bf16's second copy, for calls of many rows, where oneDNN packs bf16 on this CPU (AVX-512 or AVX-NE-CONVERT);
-      // without it every call runs the skinny matmul.
+    } else if (skinny_max_rows >= 0) {
+      // The second copy, for calls of many rows. A dtype oneDNN cannot pack on this CPU (bf16 without AVX-512 or
+      // AVX-NE-CONVERT) leaves every call on the skinny matmul.
       try {
         packed_weight = reorder.call(weight, std::nullopt);
       } catch (const c10::Error&) {
@@ -85,10 +86,6 @@ struct PackedLinear {
     versions = current_versions();
   }
 };
-
-// The most rows a bf16 call runs on the skinny matmul when oneDNN's copy is there too: at 64 rows the skinny matmul
-// was 1.1x oneDNN on a W4-shaped step, at 128 0.94x.
-constexpr int64_t kSkinnyMaxBf16Rows = 64;
 
 std::mutex registry_mutex;
 std::unordered_map<int64_t, std::shared_ptr<PackedLinear>> registry;
@@ -117,7 +114,7 @@ at::Tensor packed_linear(const at::Tensor& x, int64_t handle) {
   at::Tensor rows = x.reshape({-1, entry->in_features});
   static const c10::List<std::optional<c10::Scalar>> no_scalars;
   at::Tensor out;
-  if (entry->skinny && (rows.size(0) <= kSkinnyMaxBf16Rows || !entry->packed_weight.defined())) {
+  if (entry->skinny && (rows.size(0) <= entry->skinny_max_rows || !entry->packed_weight.defined())) {
     if (rows.stride(-1) != 1) rows = rows.contiguous();
     out = skinny::matmul(rows, entry->panels, entry->out_features, entry->packed_bias);  // checks x's dtype
   } else {
@@ -129,7 +126,7 @@ at::Tensor packed_linear(const at::Tensor& x, int64_t handle) {
 }
 
 void register_packed_linear(int64_t handle, std::vector<at::Tensor> weights, std::vector<at::Tensor> biases,
-                            bool skinny) {
+                            bool skinny, int64_t skinny_max_rows) {
   TORCH_CHECK_VALUE(!weights.empty(), "register_packed_linear: no weight");
   TORCH_CHECK_VALUE(biases.empty() || biases.size() == weights.size(),
                     "register_packed_linear: give a bias for every weight or for none");
@@ -141,6 +138,7 @@ void register_packed_linear(int64_t handle, std::vector<at::Tensor> weights, std
     entry->out_features += w.size(0);
   }
   entry->skinny = skinny && skinny::available(weights[0].scalar_type());
+  entry->skinny_max_rows = skinny_max_rows;
   entry->weights = std::move(weights);
   entry->biases = std::move(biases);
   entry->pack();
@@ -157,12 +155,23 @@ void drop_packed_linear(int64_t handle) {
 
 void register_packed_linear_bindings(pybind11::module_& m) {
   m.def("register_packed_linear", &register_packed_linear, pybind11::arg("handle"), pybind11::arg("weights"),
-        pybind11::arg("biases"), pybind11::arg("skinny") = true,
+        pybind11::arg("biases"), pybind11::arg("skinny") = true, pybind11::arg("skinny_max_rows") = -1,
         "Pack cat(weights) (and cat(biases), or no bias) for torch.ops.cbcore.packed_linear under `handle`, "
         "replacing what the handle held: for the skinny matmul where `skinny` and the CPU runs it for the dtype, "
-        "else for oneDNN. The sources are kept: one changed in place is repacked on the next call.");
+        "else for oneDNN. With the skinny matmul and skinny_max_rows >= 0, oneDNN's copy too (where oneDNN packs "
+        "the dtype), for calls of more rows than that. The sources are kept: one changed in place is repacked on "
+        "the next call.");
   m.def("packed_linear_is_skinny", [](int64_t handle) { return find(handle)->skinny; }, pybind11::arg("handle"),
-        "Whether the packed weight of `handle` runs the skinny matmul (else oneDNN's).");
+        "Whether the packed weight of `handle` runs the skinny matmul (else oneDNN's) for calls of few rows.");
+  m.def(
+      "packed_linear_onednn_above",
+      [](int64_t handle) {
+        const auto entry = find(handle);
+        if (!entry->packed_weight.defined()) return int64_t{-1};
+        return entry->skinny ? entry->skinny_max_rows : int64_t{0};
+      },
+      pybind11::arg("handle"),
+      "Calls of more rows than this run oneDNN's copy of `handle` (0: every call; -1: none, there is no copy).");
   m.def("drop_packed_linear", &drop_packed_linear, pybind11::arg("handle"),
         "Forget the packed weight of `handle` (and release its sources); unknown handles are ignored.");
   m.def("skinny_available", [](at::ScalarType dtype) { return skinny::available(dtype); }, pybind11::arg("dtype"),
