@@ -19,8 +19,10 @@ def cpu_model() -> str:
 
 
 def vector_isa() -> str | None:
-    """The widest vector instructions the CPU has, as cbcore's kernels choose them: "AVX-512 + AVX512-BF16",
-    "AVX-512", "AVX2" or "no AVX2" (from /proc/cpuinfo's flags); None where there is no such file (not Linux x86)."""
+    """The widest vector instructions the CPU has, as cbcore's kernels and linears choose them: "AVX-512 +
+    AVX512-BF16", "AVX-512", "AVX2" or "no AVX2", with " + AMX" where it has AMX's bf16 tiles (oneDNN runs bf16
+    matmuls on them: cbcore.linear.linear_backends) (from /proc/cpuinfo's flags); None where there is no such file
+    (not Linux x86)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -28,8 +30,9 @@ def vector_isa() -> str | None:
     flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), None)
     if flags is None:
         return None
+    amx = " + AMX" if {"amx_tile", "amx_bf16"} <= set(flags) else ""
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= set(flags):
-        return "AVX-512 + AVX512-BF16" if "avx512_bf16" in flags else "AVX-512"
+        return ("AVX-512 + AVX512-BF16" if "avx512_bf16" in flags else "AVX-512") + amx
     return "AVX2" if {"avx2", "fma"} <= set(flags) else "no AVX2"
 
 
