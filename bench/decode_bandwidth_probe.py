@@ -8,7 +8,7 @@ bandwidth for 32/8x128 heads. This probe separates the suspects, in one process,
     per page over 8x the requests (the same bytes, each head's tokens contiguous);
   - residency: 4 requests x 256 tokens (8 MiB of K/V: stays in the L3 between calls) against 32 x 1024 (268 MiB).
 
-    python bench/decode_bandwidth_probe.py [--isa auto|avx2|avx512|avx512_bf16]
+    python bench/decode_bandwidth_probe.py [--isa auto|avx2|avx512|avx512_bf16|avx512_amx]
 """
 
 from __future__ import annotations

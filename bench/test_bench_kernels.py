@@ -23,7 +23,7 @@ Shapes (every request's pages scattered in shuffled block order, as a long-runni
     vectorised kernels on all threads: the practical read-bandwidth ceiling for decode.
 
 Implementations: `cpp-<isa>` for every instruction set this CPU runs (`cbcore.ops.cpu_isas()`: generic, avx2, avx512,
-avx512_bf16; the last is what cbcore.ops uses on this machine), `reference` the plain-torch specification
+avx512_bf16, avx512_amx; the last is what cbcore.ops uses on the machine), `reference` the plain-torch specification
 (cbcore.ops.*_reference; on the smaller shapes only, it is 10-100x slower).
 
 Threads: all cores (torch.set_num_threads(os.cpu_count())), or $CBCORE_BENCH_THREADS. On a busy machine,

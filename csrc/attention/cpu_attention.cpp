@@ -35,6 +35,10 @@
 // The intrinsics' declarations only: each carries its own target attribute, so including them compiles no AVX
 // instruction into the generic copy.
 #include <immintrin.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #else
 #define CBCORE_HAVE_AVX2_COPY 0
 #define CBCORE_HAVE_AVX512_COPY 0
@@ -79,6 +83,7 @@ struct DecodeParams {
   float* partials;   // per split chunk: num_rows x (max, sum, v_head_dim accumulators)
   int64_t num_rows;  // query heads
   bool dpbf16;       // the AVX-512 copy may use vdpbf16ps (the CPU has AVX512-BF16 and the ISA allows it)
+  bool amx = false;  // ... and AMX's bf16 tiles for the lane kernels' scores (the cascade's shared prefix)
 };
 
 struct DecodeItem {
@@ -123,7 +128,8 @@ struct PrefillParams {
   const float* sinks;  // nullptr: none; else [heads]
   void* out;           // [num_tokens, heads, v_head_dim] contiguous
   int64_t out_stride_t;
-  bool dpbf16;  // the AVX-512 copy may use vdpbf16ps (as DecodeParams::dpbf16)
+  bool dpbf16;       // the AVX-512 copy may use vdpbf16ps (as DecodeParams::dpbf16)
+  bool amx = false;  // ... and AMX's bf16 tiles for the lane kernels' scores (as DecodeParams::amx)
 };
 
 struct PrefillItem {
@@ -203,8 +209,9 @@ namespace avx512 {
 
 // ---- instruction set -----------------------------------------------------------------------------------
 
-// kAvx512 and kAvx512Bf16 run the same copy; kAvx512Bf16 also lets it use vdpbf16ps.
-enum class Isa { kGeneric, kAvx2, kAvx512, kAvx512Bf16 };
+// kAvx512, kAvx512Bf16 and kAvx512Amx run the same copy; kAvx512Bf16 also lets it use vdpbf16ps, kAvx512Amx
+// vdpbf16ps and AMX's bf16 tiles (the lane kernels' scores).
+enum class Isa { kGeneric, kAvx2, kAvx512, kAvx512Bf16, kAvx512Amx };
 
 bool cpu_has_avx2() {
 #if CBCORE_HAVE_AVX2_COPY
@@ -234,7 +241,25 @@ bool cpu_has_avx512_bf16() {
 #endif
 }
 
+// AMX's tile registers are off for a process until it asks Linux for them (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA, Linux 5.16+); asked once. oneDNN asks too, for its own AMX kernels.
+bool cpu_has_amx() {
+#if CBCORE_HAVE_AVX512_COPY && defined(__linux__) && defined(SYS_arch_prctl)
+  static const bool granted = [] {
+    __builtin_cpu_init();
+    if (!cpu_has_avx512_bf16() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16"))
+      return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+#else
+  return false;
+#endif
+}
+
 Isa best_isa() {
+  if (cpu_has_amx()) return Isa::kAvx512Amx;
   if (cpu_has_avx512_bf16()) return Isa::kAvx512Bf16;
   if (cpu_has_avx512()) return Isa::kAvx512;
   return cpu_has_avx2() ? Isa::kAvx2 : Isa::kGeneric;
@@ -250,6 +275,7 @@ std::atomic<Isa>& active_isa() {
 #define CB_RUN_ISA(isa, NAME, ...)                                 \
   do {                                                             \
     switch (isa) {                                                 \
+      case Isa::kAvx512Amx:                                        \
       case Isa::kAvx512Bf16:                                       \
       case Isa::kAvx512: avx512::NAME(__VA_ARGS__); break;         \
       case Isa::kAvx2: avx2::NAME(__VA_ARGS__); break;             \
@@ -690,7 +716,8 @@ void decode_attention_planned(const DecodePlan& decode_plan, const at::Tensor& q
                  out.data_ptr(), out.stride(0),
                  partials.data(), heads, false};
   const Isa isa = active_isa().load();
-  P.dpbf16 = isa == Isa::kAvx512Bf16;
+  P.dpbf16 = isa == Isa::kAvx512Bf16 || isa == Isa::kAvx512Amx;
+  P.amx = isa == Isa::kAvx512Amx;
   dispatch_dtype(q.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     CB_RUN_ISA(isa, decode_run<T>, P, plan.items, plan.groups, plan.cascade_items, plan.total_cost);
@@ -787,7 +814,8 @@ void prefill_attention_planned(const PrefillPlan& prefill_plan, const at::Tensor
                   static_cast<float>(scale), plan.window, cap, sink,
                   out.data_ptr(), out.stride(0)};
   const Isa isa = active_isa().load();
-  P.dpbf16 = isa == Isa::kAvx512Bf16;
+  P.dpbf16 = isa == Isa::kAvx512Bf16 || isa == Isa::kAvx512Amx;
+  P.amx = isa == Isa::kAvx512Amx;
   dispatch_dtype(q.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     CB_RUN_ISA(isa, prefill_run<T>, P, plan.items, plan.total_cost);
@@ -813,6 +841,7 @@ namespace {
 
 const char* isa_name(Isa isa) {
   switch (isa) {
+    case Isa::kAvx512Amx: return "avx512_amx";
     case Isa::kAvx512Bf16: return "avx512_bf16";
     case Isa::kAvx512: return "avx512";
     case Isa::kAvx2: return "avx2";
@@ -829,6 +858,7 @@ std::vector<std::string> available_isas() {
   if (cpu_has_avx2()) names.push_back("avx2");
   if (cpu_has_avx512()) names.push_back("avx512");
   if (cpu_has_avx512_bf16()) names.push_back("avx512_bf16");
+  if (cpu_has_amx()) names.push_back("avx512_amx");
   return names;
 }
 
@@ -837,7 +867,7 @@ void set_isa(const std::string& name) {
     active_isa().store(best_isa());
     return;
   }
-  for (const Isa isa : {Isa::kGeneric, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
+  for (const Isa isa : {Isa::kGeneric, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16, Isa::kAvx512Amx}) {
     if (name != isa_name(isa)) continue;
     const auto names = available_isas();
     TORCH_CHECK_VALUE(std::find(names.begin(), names.end(), name) != names.end(), "cbcore: this CPU or build has no ",
@@ -846,7 +876,7 @@ void set_isa(const std::string& name) {
     return;
   }
   TORCH_CHECK_VALUE(false, "cbcore: unknown instruction set '", name,
-                    "' (auto, generic, avx2, avx512, avx512_bf16)");
+                    "' (auto, generic, avx2, avx512, avx512_bf16, avx512_amx)");
 }
 
 }  // namespace cpu
