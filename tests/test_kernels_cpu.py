@@ -303,8 +303,8 @@ ISAS = ops.cpu_isas()
 
 @pytest.fixture(params=ISAS)
 def isa(request):
-    """Each instruction set's copy of the kernels in turn (generic, avx2, avx512, avx512_bf16, avx512_amx: those this CPU
-    runs)."""
+    """Each instruction set's copy of the kernels in turn (generic, avx2, avx512, avx512_bf16, avx512_amx: those
+    this CPU runs)."""
     _C._set_cpu_attention_isa(request.param)
     assert _C.cpu_attention_isa() == request.param
     yield request.param

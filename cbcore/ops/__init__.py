@@ -46,8 +46,8 @@ Instruction sets (CPU): `cbcore._C` carries the CPU kernels compiled three times
 copy with vdpbf16ps and, for the bf16 scores of the cascade's shared prefix and of prefills, AMX's bf16 tiles, where
 the CPU has them and Linux grants them), `avx512_bf16` (the AVX-512 copy using vdpbf16ps for bf16 dot products, where
 the CPU has AVX512-BF16), `avx512`, `avx2`, else `generic`.
-`CBCORE_CPU_ISA=generic|avx2|avx512|avx512_bf16|avx512_amx` forces one (read once, when cbcore.ops first loads the kernels;
-ValueError naming the variable when this CPU or build lacks it); `auto` or unset: the best.
+`CBCORE_CPU_ISA=generic|avx2|avx512|avx512_bf16|avx512_amx` forces one (read once, when cbcore.ops first loads the
+kernels; ValueError naming the variable when this CPU or build lacks it); `auto` or unset: the best.
 
 `CBCORE_KERNELS=reference` runs the references everywhere. `cpu`, `cuda` and `triton` force one backend for the ops it
 implements (cpu: all three on CPU tensors; cuda: cache_write and decode on CUDA tensors; triton: prefill, on CUDA

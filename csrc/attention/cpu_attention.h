@@ -47,7 +47,8 @@
 // the compiler targets by default) and, with GCC on x86-64, under `#pragma GCC target("avx2,fma,f16c")`
 // and under AVX-512F/BW/VL/DQ. The AVX-512 copy adds a 512-bit decode (cpu_attention_avx512.inc) whose
 // bf16 dot products use vdpbf16ps in one function compiled for AVX512-BF16 and called only where the
-// CPU has it (and the lane kernels' bf16 scores AMX's tiles, in one compiled for AMX, where it has those). The best copy the CPU runs is chosen at run time (__builtin_cpu_supports); set_isa forces
+// CPU has it (and the lane kernels' bf16 scores AMX's tiles, in one compiled for AMX, where it has those). The
+// best copy the CPU runs is chosen at run time (__builtin_cpu_supports); set_isa forces
 // one. No -march flag is used: the extension is compiled where it is installed, but wheels built from
 // it get copied and cached, and a -march=native binary dies with SIGILL on an older CPU.
 #pragma once
