@@ -71,8 +71,12 @@ constexpr int64_t kRowChunk = 128;
 // lines) ahead. Without it the weights came at 15 GB/s; 2 KB into L1 gave 18-20, 8 KB into L2 20-22 (a W4-shaped
 // step of linears, bench/test_bench_linear.py, AVX-512).
 constexpr int64_t kPrefetchBytes = 8192;
-// Below this many FLOPs per thread a call stays on fewer threads: waking a thread costs ~10 us.
+// Below this many FLOPs per thread, and this many bytes of weights per thread, a call stays on fewer threads: waking
+// a thread costs ~10 us. The bytes count for calls of one or two rows, which the weights' streaming bounds: one row
+// of a 512 x 1024 fp32 weight is 1 MFLOP but 2 MB, ~130 us on one core, and one core's loads in flight read about
+// half what two cores' do (a W2 step's linears at one row ran 1.36x slower than oneDNN's on one thread).
 constexpr int64_t kMinFlopsPerThread = 2'000'000;
+constexpr int64_t kMinWeightBytesPerThread = 256 * 1024;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -133,7 +137,9 @@ void run_tiles(const TileFn<Scalar, XWord, WWord> (&table)[kRowBlock][3], const 
                const Scalar* bias, int64_t flops) {
   const int64_t P = ceil_div(N, kPanel);
   const int64_t panel_stride = depth * kPanel;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), flops / kMinFlopsPerThread));
+  const int64_t weight_bytes = P * panel_stride * static_cast<int64_t>(sizeof(WWord));
+  const int64_t by_work = std::max(flops / kMinFlopsPerThread, weight_bytes / kMinWeightBytesPerThread);
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), by_work));
   const int64_t grain = ceil_div(P, threads);
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
     for (int64_t c0 = 0; c0 < M; c0 += kRowChunk) {
