@@ -129,26 +129,26 @@ def test_the_backends_follow_the_cpu(monkeypatch, amx) -> None:
 @pytest.mark.skipif(not packing_available() or not _available(torch.float32), reason="no skinny matmul or oneDNN")
 def test_calls_past_the_row_limit_run_onednns_copy(monkeypatch) -> None:
     """A weight packed for both: calls of up to skinny_max_rows rows take the skinny matmul, more oneDNN's copy;
-    both give F.linear's result."""
+    both give F.linear's result. K = 1000, where the two matmuls sum in different orders, so the result tells which
+    one ran (at K = 64 they agreed bit for bit and a wrong row limit went unnoticed)."""
     monkeypatch.setattr(linear, "linear_backends", lambda dtype: (True, 8))
     torch.manual_seed(0)
-    layer = torch.nn.Sequential(torch.nn.Linear(64, 48, bias=True))
+    layer = torch.nn.Sequential(torch.nn.Linear(1000, 48, bias=True))
     packed = PackedLinears.attach(layer)
     try:
         handle = layer[0]._cbcore_member.group.handle
         assert _C.packed_linear_is_skinny(handle) and _C.packed_linear_onednn_above(handle) == 8
         w, b = layer[0].weight.detach(), layer[0].bias.detach()
         panels, blocked = _C.skinny_pack(w), torch.ops.mkldnn._reorder_linear_weight(w, None)
-        for rows in (1, 8, 9, 100):
-            x = torch.randn(rows, 64)
+        for rows in (1, 8, 9, 64, 100):
+            x = torch.randn(rows, 1000)
             with paged_step():
                 inside = layer(x)
-            torch.testing.assert_close(inside, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(inside, torch.nn.functional.linear(x, w, b), rtol=1e-4, atol=1e-4)
             # Which matmul ran: its result, bit for bit.
-            if rows <= 8:
-                assert torch.equal(inside, _C.skinny_matmul(x, panels, 48, b))
-            else:
-                assert torch.equal(inside, torch.ops.mkldnn._linear_pointwise(x, blocked, b, "none", [], None))
+            skinny = _C.skinny_matmul(x, panels, 48, b)
+            onednn = torch.ops.mkldnn._linear_pointwise(x, blocked, b, "none", [], None)
+            assert torch.equal(inside, skinny if rows <= 8 else onednn)
     finally:
         packed.detach()
 
