@@ -21,10 +21,24 @@ from pathlib import Path
 import torch
 
 from cbcore import _C
+from cbcore.benchmarks.models import RANDOM_LLAMA
 
-SHAPES = {  # (layers, [(in, out) per projection], lm head (in, out))
-    "w2": (8, [(512, 1024), (512, 512), (512, 2816), (1408, 512)], (512, 8192)),
-    "w4": (30, [(576, 960), (576, 576), (576, 3072), (1536, 576)], (576, 49152)),
+
+def llama_shapes(config: dict) -> tuple[int, list[tuple[int, int]], tuple[int, int]]:
+    """(layers, [(in, out)] of a layer's merged q/k/v, o, merged gate/up and down projections, the head's (in, out))
+    of a Llama-shaped config, as cbcore packs them (cbcore/linear.py merges q/k/v and gate/up)."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = hidden // config["num_attention_heads"]
+    qkv = hidden + 2 * config["num_key_value_heads"] * head_dim
+    projections = [(hidden, qkv), (hidden, hidden), (hidden, 2 * inter), (inter, hidden)]
+    return config["num_hidden_layers"], projections, (hidden, config["vocab_size"])
+
+
+SHAPES = {
+    "w2": llama_shapes(RANDOM_LLAMA),
+    # SmolLM2-135M-Instruct (W4's default model, shipped as GGUF: its config is not at hand without converting it).
+    "w4": llama_shapes(dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                            num_hidden_layers=30, vocab_size=49152)),
 }
 
 
