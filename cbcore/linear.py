@@ -111,6 +111,11 @@ SKINNY_MAX_ROWS_BF16 = 64
 # ran a step's linears in 0.72-0.89x oneDNN's time at 8-32 rows, 0.93-1.01x at 64, 1.07-1.15x at 128 and 1.32x at
 # 512 (bench/linear_crossover.py, bench/results/linear_crossover_xeon_amx.md).
 SKINNY_MAX_ROWS_FP32_AMX = 64
+# bf16 on a CPU with AMX tiles, where the skinny matmul runs them too (K a multiple of AMX_DEPTH): on a Xeon with AMX
+# it ran a W2-shaped step's linears in 0.56-0.72x oneDNN's time at 1-32 rows and 0.94x at 64, a W4-shaped step's in
+# 0.75-0.86x at 1-32 rows and 1.15x at 64 (bench/results/linear_crossover_xeon_amx.md).
+SKINNY_MAX_ROWS_BF16_AMX = 32
+AMX_DEPTH = 32  # k per AMX tile product: the skinny matmul's AMX tiles take K a multiple of it
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,14 +129,16 @@ def cpu_has_amx() -> bool:
         return False
 
 
-def linear_backends(dtype: torch.dtype) -> tuple[bool, int]:
+def linear_backends(dtype: torch.dtype, in_features: int | None = None) -> tuple[bool, int]:
     """Where this CPU runs a packed weight of `dtype`: `(skinny, skinny_max_rows)` for `_C.register_packed_linear`.
     `skinny`: packed for cbcore's skinny matmul (where the CPU runs it for the dtype), else for oneDNN alone;
     `skinny_max_rows` >= 0: oneDNN's copy too, for calls of more rows; -1: every call on the skinny matmul.
 
     - `CBCORE_SKINNY_GEMM=0`, or no skinny matmul for the dtype here: oneDNN alone.
-    - AMX: bf16 on oneDNN alone (on its AMX tiles it ran a step's linears 0.96-1.2x as fast as the skinny matmul at
-      1-8 rows, 1.3-1.5x at 16, 3.5-4x at 64, 6.8x at 512); fp32 on the skinny matmul up to SKINNY_MAX_ROWS_FP32_AMX
+    - AMX: bf16 on the skinny matmul's AMX tiles up to SKINNY_MAX_ROWS_BF16_AMX rows and oneDNN's copy above, where
+      the skinny matmul runs AMX tiles for `in_features` (None: any K they take); else on oneDNN alone (on its AMX
+      tiles it ran a step's linears 0.96-1.2x as fast as the skinny matmul's vdpbf16ps at 1-8 rows, 1.3-1.5x at 16,
+      3.5-4x at 64, 6.8x at 512); fp32 on the skinny matmul up to SKINNY_MAX_ROWS_FP32_AMX
       rows, where it streams a decode step's weights as fast or faster, and on oneDNN's copy above (1.07-1.15x at
       128 rows, 1.32x at 512: two FMA units a core favour oneDNN's larger register tiles).
     - Otherwise (a Zen 4, an AVX2 CPU): fp32 on the skinny matmul alone (one copy: on a prefill's rows it reached
@@ -142,7 +149,9 @@ def linear_backends(dtype: torch.dtype) -> tuple[bool, int]:
         return False, -1
     if cpu_has_amx():
         if dtype == torch.bfloat16:
-            return False, -1
+            amx_tiles = (_extension().skinny_isa(dtype) == "amx"
+                         and (in_features is None or in_features % AMX_DEPTH == 0))
+            return (True, SKINNY_MAX_ROWS_BF16_AMX) if amx_tiles else (False, -1)
         return True, SKINNY_MAX_ROWS_FP32_AMX
     if dtype == torch.bfloat16:
         return True, SKINNY_MAX_ROWS_BF16
@@ -180,7 +189,7 @@ class _PackedWeight:
         self.sources = [(module.weight, module.bias) for module in self.modules]
         weights = [module.weight.detach() for module in self.modules]
         biases = [] if self.modules[0].bias is None else [module.bias.detach() for module in self.modules]
-        skinny, skinny_max_rows = linear_backends(weights[0].dtype)
+        skinny, skinny_max_rows = linear_backends(weights[0].dtype, weights[0].shape[1])
         _extension().register_packed_linear(self.handle, weights, biases, skinny, skinny_max_rows)
 
     def drop(self) -> None:

@@ -19,11 +19,14 @@ def _available(dtype: torch.dtype) -> bool:
     return hasattr(_C, "skinny_available") and _C.skinny_available(dtype)
 
 
-@pytest.fixture(params=["auto", "avx2"])
+@pytest.fixture(params=["auto", "avx512", "avx2"])
 def isa(request):
-    """The instruction set the skinny matmul runs: the best this CPU has, then AVX2's tiles forced (skipped where
-    they are already the best)."""
-    if request.param == "avx2" and all(_C.skinny_isa(dtype) != "avx512" for dtype in (torch.float32, torch.bfloat16)):
+    """The instruction set the skinny matmul runs: the best this CPU has, then AVX-512's tiles forced where AMX's
+    are the best, and AVX2's where AVX-512's are (each skipped where the case before ran it)."""
+    best = [_C.skinny_isa(dtype) for dtype in (torch.float32, torch.bfloat16)]
+    if request.param == "avx512" and "amx" not in best:
+        pytest.skip("AMX's tiles do not run here: the auto case ran AVX-512's or AVX2's")
+    if request.param == "avx2" and "avx512" not in best and "amx" not in best:
         pytest.skip("AVX2's tiles are this CPU's best: the auto case ran them")
     _C._set_skinny_isa(request.param)
     yield request.param
@@ -36,7 +39,8 @@ def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
 
 
 ROWS = [1, 2, 3, 4, 7, 8, 12, 13, 16, 17, 33, 64, 150]
-SHAPES = [(1, 1), (7, 15), (64, 16), (65, 17), (577, 200)]  # (K, N)
+# (K, N); K = 64 and 96 take AMX's tiles where they run (K a multiple of 32).
+SHAPES = [(1, 1), (7, 15), (64, 16), (65, 17), (96, 40), (577, 200)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -91,8 +95,8 @@ def test_the_packed_linear_runs_the_skinny_matmul_where_the_cpu_has_it(monkeypat
     try:
         handle = layer[0]._cbcore_member.group.handle
         expect_skinny, skinny_max_rows = linear_backends(dtype)
-        assert expect_skinny == (skinny == "1" and _available(dtype) and not (linear.cpu_has_amx() and
-                                                                              dtype == torch.bfloat16))
+        no_amx_tiles = linear.cpu_has_amx() and dtype == torch.bfloat16 and _C.skinny_isa(dtype) != "amx"
+        assert expect_skinny == (skinny == "1" and _available(dtype) and not no_amx_tiles)
         assert _C.packed_linear_is_skinny(handle) == expect_skinny
         onednn_copy = not expect_skinny or (skinny_max_rows >= 0 and onednn_packs(dtype))
         expected_above = (0 if not expect_skinny else skinny_max_rows) if onednn_copy else -1
@@ -109,16 +113,22 @@ def test_the_packed_linear_runs_the_skinny_matmul_where_the_cpu_has_it(monkeypat
 
 @pytest.mark.parametrize("amx", [False, True])
 def test_the_backends_follow_the_cpu(monkeypatch, amx) -> None:
-    """With AMX, bf16 runs oneDNN alone and fp32 the skinny matmul up to SKINNY_MAX_ROWS_FP32_AMX rows, oneDNN
-    above; without, fp32 the skinny matmul alone and bf16 the skinny matmul up to SKINNY_MAX_ROWS_BF16 rows;
+    """With AMX, bf16 runs the skinny matmul's AMX tiles up to SKINNY_MAX_ROWS_BF16_AMX rows (where they run and
+    take K), else oneDNN alone, and fp32 the skinny matmul up to SKINNY_MAX_ROWS_FP32_AMX rows, oneDNN above;
+    without, fp32 the skinny matmul alone and bf16 the skinny matmul up to SKINNY_MAX_ROWS_BF16 rows;
     CBCORE_SKINNY_GEMM=0 oneDNN alone."""
     monkeypatch.setattr(linear, "cpu_has_amx", lambda: amx)
     for dtype in (torch.float32, torch.bfloat16):
         if not _available(dtype):
             assert linear_backends(dtype) == (False, -1)
             continue
-        if amx:
-            expected = (False, -1) if dtype == torch.bfloat16 else (True, linear.SKINNY_MAX_ROWS_FP32_AMX)
+        if amx and dtype == torch.bfloat16:
+            amx_tiles = _C.skinny_isa(dtype) == "amx"
+            assert linear_backends(dtype, 96) == ((True, linear.SKINNY_MAX_ROWS_BF16_AMX) if amx_tiles else (False, -1))
+            assert linear_backends(dtype, 100) == (False, -1)  # K not a multiple of 32: AMX's tiles do not take it
+            expected = (True, linear.SKINNY_MAX_ROWS_BF16_AMX) if amx_tiles else (False, -1)
+        elif amx:
+            expected = (True, linear.SKINNY_MAX_ROWS_FP32_AMX)
         else:
             expected = (True, -1) if dtype == torch.float32 else (True, linear.SKINNY_MAX_ROWS_BF16)
         assert linear_backends(dtype) == expected
@@ -131,7 +141,7 @@ def test_calls_past_the_row_limit_run_onednns_copy(monkeypatch) -> None:
     """A weight packed for both: calls of up to skinny_max_rows rows take the skinny matmul, more oneDNN's copy;
     both give F.linear's result. K = 1000, where the two matmuls sum in different orders, so the result tells which
     one ran (at K = 64 they agreed bit for bit and a wrong row limit went unnoticed)."""
-    monkeypatch.setattr(linear, "linear_backends", lambda dtype: (True, 8))
+    monkeypatch.setattr(linear, "linear_backends", lambda dtype, in_features=None: (True, 8))
     torch.manual_seed(0)
     layer = torch.nn.Sequential(torch.nn.Linear(1000, 48, bias=True))
     packed = PackedLinears.attach(layer)
@@ -155,7 +165,8 @@ def test_calls_past_the_row_limit_run_onednns_copy(monkeypatch) -> None:
 
 def test_the_instruction_set_is_reported_and_forced_by_name_only() -> None:
     for dtype in (torch.float32, torch.bfloat16):
-        assert _C.skinny_isa(dtype) in ("avx512", "avx2", "none")
+        assert _C.skinny_isa(dtype) in (("amx", "avx512", "avx2", "none") if dtype == torch.bfloat16 else
+                                        ("avx512", "avx2", "none"))
         assert (_C.skinny_isa(dtype) != "none") == _available(dtype)
     assert _C.skinny_isa(torch.float16) == "none"
     with pytest.raises(ValueError, match="unknown instruction set"):

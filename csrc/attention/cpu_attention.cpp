@@ -446,6 +446,8 @@ void dispatch_dtype(at::ScalarType t, const F& f) {
 
 }  // namespace
 
+bool amx_tiles() { return cpu_has_amx(); }
+
 // ---- public ops ------------------------------------------------------------------------------------------
 
 void cache_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,

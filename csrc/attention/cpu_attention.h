@@ -135,6 +135,10 @@ void prefill_attention_planned(const PrefillPlan& plan, const at::Tensor& q, con
 // kernels' scores), "avx512_bf16" (AVX-512 with vdpbf16ps for bf16), "avx512", "avx2" or "generic".
 std::string isa();
 
+// Whether this CPU has AMX's bf16 tiles and Linux granted this process their state (asked once, on the first call);
+// false where the build has no AVX-512 copy. The skinny matmul's bf16 tiles ask here too.
+bool amx_tiles();
+
 // The instruction sets this CPU and build can run, portable first.
 std::vector<std::string> available_isas();
 

@@ -1,10 +1,10 @@
 // torch.ops.cbcore.packed_linear(x, handle): x @ W.T + b for a weight packed once, looked up by an integer handle:
-// into the skinny matmul's panels where the CPU runs it for the dtype (csrc/linear/skinny_gemm.cpp: AVX-512 or
+// into the skinny matmul's panels where the CPU runs it for the dtype (csrc/linear/skinny_gemm.cpp: AMX, AVX-512 or
 // AVX2), into oneDNN's blocked layout, or both, with calls of more rows than `skinny_max_rows` on oneDNN's copy.
 // Which of them a weight gets is the Python side's choice per CPU and dtype (cbcore/linear.py, linear_backends; the
 // figures are in bench/results/linear_cpu*.md): on a decode step's few rows the skinny matmul is 1.1-1.7x oneDNN's
-// on a Zen 4; on a CPU with AMX, oneDNN runs bf16 on its tiles at 1.4-10x the skinny matmul, and fp32 past a few
-// dozen rows at up to 1.6x.
+// on a Zen 4; on a CPU with AMX, the skinny matmul's AMX tiles run bf16 at 1.2-1.8x oneDNN's up to 32 rows, oneDNN
+// past that, and fp32 past a few dozen rows at up to 1.3x.
 // A handle rather than the packed tensor (cbcore/linear.py says why: inductor takes no packed oneDNN weight as a
 // graph input, so the compiled step passes a handle). A C++ kernel rather than a Python custom op: the dispatcher
 // calls it directly, where a Python custom op cost ~35 us a call (a third of a small decode matmul's time).
@@ -177,9 +177,11 @@ void register_packed_linear_bindings(pybind11::module_& m) {
   m.def("skinny_available", [](at::ScalarType dtype) { return skinny::available(dtype); }, pybind11::arg("dtype"),
         "Whether this CPU runs the skinny matmul (csrc/linear/skinny_gemm.cpp) for weights of `dtype`.");
   m.def("skinny_isa", [](at::ScalarType dtype) { return skinny::isa(dtype); }, pybind11::arg("dtype"),
-        "The instruction set the skinny matmul runs for `dtype` now: 'avx512', 'avx2' or 'none'.");
+        "The instruction set the skinny matmul runs for `dtype` now: 'amx' (bf16: AMX's tiles where K is a multiple "
+        "of 32, AVX-512's otherwise), 'avx512', 'avx2' or 'none'.");
   m.def("_set_skinny_isa", &skinny::set_isa, pybind11::arg("name"),
-        "'avx2': the skinny matmul's AVX2 tiles even where AVX-512's would run; 'auto': the best the CPU has.");
+        "'avx512': the skinny matmul's AVX-512 tiles even where AMX's would run; 'avx2': AVX2's tiles even where "
+        "AVX-512's would; 'auto': the best the CPU has.");
   m.def("skinny_pack", &skinny::pack, pybind11::arg("weight"),
         "The skinny matmul's panels of a [N, K] float32 or bfloat16 weight.");
   m.def("skinny_matmul", &skinny::matmul, pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("out_features"),

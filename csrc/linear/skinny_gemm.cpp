@@ -22,7 +22,9 @@
 // runs every row block, so the weights come from memory once and from L1/L2 for the other row blocks. The bias is
 // added after the sum, as F.linear's addmm does; bf16 outputs are rounded to nearest even once, at the end.
 //
-// Two instruction sets, one layout (so a packed weight serves either, and the choice is made per call):
+// Three instruction sets, one layout (so a packed weight serves any, and the choice is made per call):
+// - AMX (bf16, K a multiple of 32, where Linux grants the tile state): a bf16 panel is the right operand of AMX's
+//   tile product as it lies; x's rows are the left one; see "AMX's bf16 tiles" below.
 // - AVX-512 (fp32: AVX-512F; bf16: AVX512-BF16): 16-lane accumulators, MR <= 16 rows, so a row block is one tile;
 //   bf16 with vdpbf16ps (two k per instruction, their products summed in fp32).
 // - AVX2 + FMA (every x86-64 CPU since 2013-2015; Zen 2/3 among them): a panel is two 8-lane halves and the
@@ -56,6 +58,15 @@
 #else
 #define CBCORE_SKINNY_AVX512 0
 #endif
+// AMX's tiles: GCC 11 and Clang 12 have their intrinsics; Linux grants their state to a process that asks
+// (cpu::amx_tiles(), csrc/attention/cpu_attention.cpp, asks once).
+#if CBCORE_SKINNY_AVX512 && defined(__linux__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#define CBCORE_SKINNY_AMX 1
+#include "attention/cpu_attention.h"
+#else
+#define CBCORE_SKINNY_AMX 0
+#endif
 
 namespace cbcore {
 namespace skinny {
@@ -87,6 +98,12 @@ constexpr int64_t kMinWeightBytesPerThread = 256 * 1024;
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 uint16_t bf16_bits(const at::BFloat16 v) { return v.x; }
+
+// The threads a call runs on: enough work for each (kMinFlopsPerThread, kMinWeightBytesPerThread), at most torch's.
+int64_t threads_for(int64_t flops, int64_t weight_bytes) {
+  const int64_t by_work = std::max(flops / kMinFlopsPerThread, weight_bytes / kMinWeightBytesPerThread);
+  return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), by_work));
+}
 
 // x's rows as blocks of 16, k-major: out[b][k][lane] = value(16 b + lane, k), 0 for rows past M. Blocks in parallel
 // when there are several: for a prefill's hundreds of rows the copy is ~10% of the matmul's time on one thread.
@@ -143,9 +160,7 @@ void run_tiles(const TileFn<Scalar, XWord, WWord> (&table)[kRowBlock][3], const 
                const Scalar* bias, int64_t flops) {
   const int64_t P = ceil_div(N, kPanel);
   const int64_t panel_stride = depth * kPanel;
-  const int64_t weight_bytes = P * panel_stride * static_cast<int64_t>(sizeof(WWord));
-  const int64_t by_work = std::max(flops / kMinFlopsPerThread, weight_bytes / kMinWeightBytesPerThread);
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), by_work));
+  const int64_t threads = threads_for(flops, P * panel_stride * static_cast<int64_t>(sizeof(WWord)));
   const int64_t grain = ceil_div(P, threads);
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
     for (int64_t c0 = 0; c0 < M; c0 += kRowChunk) {
@@ -293,6 +308,122 @@ constexpr TileTable<uint16_t, uint32_t, uint32_t, TileBf16, Avx512Shape> kTilesB
 #pragma GCC diagnostic pop
 #endif  // CBCORE_SKINNY_AVX512
 
+#if CBCORE_SKINNY_AMX
+// AMX's bf16 tiles: one tile product multiplies 16 rows by 32 k by 16 columns (8192 multiply-adds, 256x what one
+// vdpbf16ps does), and the bf16 panels are already its right operand's layout: a panel's 16 consecutive pairs of k
+// are one 1 KB tile (16 pairs x 16 columns x 2). The left operand is x itself, 16 rows x 32 k a tile, rows padded to
+// whole tiles. So per panel and 32 k, one weight tile feeds up to four row tiles (64 rows), whose fp32 sums stay in
+// tile registers over all of K. Products of two bf16 are exact in fp32, as with vdpbf16ps; the sums run in another
+// order; one rounding to bf16 at the end. Takes K a multiple of 32 (the tiles' depth; other K run AVX-512's tiles).
+#define CB_SKINNY_AMX_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
+namespace {
+
+constexpr int64_t kAmxDepth = 32;      // k per tile product
+constexpr int64_t kAmxRowTiles = 4;    // row tiles a pass over the panels takes (tiles 0-3 hold their sums)
+constexpr int64_t kAmxTileFloats = 256;  // 16 x 16
+
+struct alignas(64) AmxTileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// One panel's columns for R row tiles over all of K: tiles 0..R-1 the sums, 4 and 5 x's rows (alternating, so a
+// load need not wait for the product reading the other), 6 the weights. xs: the pass's first row, rows K apart;
+// sums: R tiles of 16 x 16 floats.
+template <int R>
+CB_SKINNY_AMX_TARGET void amx_panel(const uint16_t* xs, int64_t K, const uint32_t* panel, float* sums) {
+  const int64_t x_stride = K * static_cast<int64_t>(sizeof(uint16_t));
+  _tile_zero(0);
+  if constexpr (R > 1) _tile_zero(1);
+  if constexpr (R > 2) _tile_zero(2);
+  if constexpr (R > 3) _tile_zero(3);
+  for (int64_t k = 0; k < K; k += kAmxDepth) {
+    const uint32_t* w = panel + (k / 2) * kPanel;
+    for (int64_t line = 0; line < 16; ++line)
+      _mm_prefetch(reinterpret_cast<const char*>(w + line * kPanel) + kPrefetchBytes, _MM_HINT_T1);
+    _tile_loadd(6, w, 64);
+    _tile_loadd(4, xs + k, x_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (R > 1) {
+      _tile_loadd(5, xs + 16 * K + k, x_stride);
+      _tile_dpbf16ps(1, 5, 6);
+    }
+    if constexpr (R > 2) {
+      _tile_loadd(4, xs + 32 * K + k, x_stride);
+      _tile_dpbf16ps(2, 4, 6);
+    }
+    if constexpr (R > 3) {
+      _tile_loadd(5, xs + 48 * K + k, x_stride);
+      _tile_dpbf16ps(3, 5, 6);
+    }
+  }
+  _tile_stored(0, sums, 64);
+  if constexpr (R > 1) _tile_stored(1, sums + kAmxTileFloats, 64);
+  if constexpr (R > 2) _tile_stored(2, sums + 2 * kAmxTileFloats, 64);
+  if constexpr (R > 3) _tile_stored(3, sums + 3 * kAmxTileFloats, 64);
+}
+
+// A tile's sums (16 x 16 floats) into `rows` rows of out, `cols` columns, bias added, rounded to bf16.
+CB_SKINNY_AMX_TARGET void store_amx_tile(const float* sums, int64_t rows, uint16_t* out, int64_t ldo, int64_t cols,
+                                         const uint16_t* bias) {
+  const __mmask16 mask = cols >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
+  __m512 b = _mm512_setzero_ps();
+  if (bias) b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias)), 16));
+  for (int64_t m = 0; m < rows; ++m) {
+    const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(sums + m * 16), b));
+    _mm256_mask_storeu_epi16(out + m * ldo, mask, reinterpret_cast<const __m256i&>(rounded));
+  }
+}
+
+// Panels [p0, p1) of x (rows staged in xs, [Mp][K] bf16, Mp a multiple of 16, rows past M zero) @ W into out
+// [M, N], per pass of up to 64 rows every panel of the range. One thread's share (the tile configuration is the
+// thread's own).
+CB_SKINNY_AMX_TARGET void amx_panels(const uint16_t* xs, int64_t Mp, int64_t M, int64_t K, const uint32_t* panels,
+                                     int64_t p0, int64_t p1, int64_t N, uint16_t* out, const uint16_t* bias) {
+  AmxTileConfig config;
+  for (int t = 0; t < 7; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+  const int64_t panel_words = (K / 2) * kPanel;
+  alignas(64) float sums[kAmxRowTiles * kAmxTileFloats];
+  for (int64_t r0 = 0; r0 < Mp; r0 += 16 * kAmxRowTiles) {
+    const int64_t tiles = std::min(kAmxRowTiles, (Mp - r0) / 16);
+    const uint16_t* xr = xs + r0 * K;
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint32_t* panel = panels + p * panel_words;
+      switch (tiles) {
+        case 1: amx_panel<1>(xr, K, panel, sums); break;
+        case 2: amx_panel<2>(xr, K, panel, sums); break;
+        case 3: amx_panel<3>(xr, K, panel, sums); break;
+        default: amx_panel<4>(xr, K, panel, sums); break;
+      }
+      const int64_t col0 = p * kPanel, cols = std::min<int64_t>(kPanel, N - col0);
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t row = r0 + 16 * t;
+        store_amx_tile(sums + t * kAmxTileFloats, std::min<int64_t>(16, M - row), out + row * N + col0, N, cols,
+                       bias ? bias + col0 : nullptr);
+      }
+    }
+  }
+  _tile_release();
+}
+
+// The whole call: threads over contiguous panel ranges, as run_tiles.
+void run_amx(const uint16_t* xs, int64_t Mp, int64_t M, int64_t K, const uint32_t* panels, int64_t N, uint16_t* out,
+             const uint16_t* bias, int64_t threads) {
+  const int64_t P = ceil_div(N, kPanel);
+  at::parallel_for(0, P, ceil_div(P, threads), [&](int64_t p0, int64_t p1) {
+    amx_panels(xs, Mp, M, K, panels, p0, p1, N, out, bias);
+  });
+}
+
+}  // namespace
+#endif  // CBCORE_SKINNY_AMX
+
 #if CBCORE_SKINNY_X86
 #define CB_SKINNY_AVX2_TARGET __attribute__((target("avx2,fma")))
 namespace {
@@ -416,6 +547,7 @@ struct Cpu {
   bool avx2 = false;        // AVX2 and FMA
   bool avx512 = false;      // AVX-512 F/BW/VL/DQ
   bool avx512bf16 = false;  // and AVX512-BF16
+  bool amx = false;         // and AMX's bf16 tiles, their state granted to this process
 };
 
 const Cpu& cpu() {
@@ -429,23 +561,26 @@ const Cpu& cpu() {
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
     c.avx512bf16 = c.avx512 && __builtin_cpu_supports("avx512bf16");
 #endif
+#if CBCORE_SKINNY_AMX
+    c.amx = c.avx512bf16 && cpu::amx_tiles();
+#endif
 #endif
     return c;
   }();
   return detected;
 }
 
-// set_isa("avx2"): AVX2's tiles even where AVX-512's would run (tests and benchmarks of both on one CPU).
-std::atomic<bool> force_avx2{false};
+enum class Isa { none, avx2, avx512, amx };
 
-enum class Isa { none, avx2, avx512 };
+// set_isa: the best instruction set calls may run (tests and benchmarks of each on one CPU); amx: no limit.
+std::atomic<Isa> isa_limit{Isa::amx};
 
 Isa isa_for(at::ScalarType dtype) {
   const Cpu& c = cpu();
-  const bool wide = !force_avx2.load(std::memory_order_relaxed);
-  if (dtype == at::kFloat) return wide && c.avx512 ? Isa::avx512 : (c.avx2 ? Isa::avx2 : Isa::none);
-  if (dtype == at::kBFloat16) return wide && c.avx512bf16 ? Isa::avx512 : (c.avx2 ? Isa::avx2 : Isa::none);
-  return Isa::none;
+  Isa best = Isa::none;
+  if (dtype == at::kFloat) best = c.avx512 ? Isa::avx512 : (c.avx2 ? Isa::avx2 : Isa::none);
+  if (dtype == at::kBFloat16) best = c.amx ? Isa::amx : c.avx512bf16 ? Isa::avx512 : (c.avx2 ? Isa::avx2 : Isa::none);
+  return std::min(best, isa_limit.load(std::memory_order_relaxed));
 }
 
 }  // namespace
@@ -454,6 +589,7 @@ bool available(at::ScalarType dtype) { return isa_for(dtype) != Isa::none; }
 
 std::string isa(at::ScalarType dtype) {
   switch (isa_for(dtype)) {
+    case Isa::amx: return "amx";
     case Isa::avx512: return "avx512";
     case Isa::avx2: return "avx2";
     default: return "none";
@@ -462,12 +598,15 @@ std::string isa(at::ScalarType dtype) {
 
 void set_isa(const std::string& name) {
   if (name == "auto") {
-    force_avx2 = false;
+    isa_limit = Isa::amx;
+  } else if (name == "avx512") {
+    TORCH_CHECK_VALUE(cpu().avx512, "skinny matmul: this CPU has no AVX-512");
+    isa_limit = Isa::avx512;
   } else if (name == "avx2") {
     TORCH_CHECK_VALUE(cpu().avx2, "skinny matmul: this CPU has no AVX2 and FMA");
-    force_avx2 = true;
+    isa_limit = Isa::avx2;
   } else {
-    TORCH_CHECK_VALUE(false, "skinny matmul: unknown instruction set '", name, "' (auto or avx2)");
+    TORCH_CHECK_VALUE(false, "skinny matmul: unknown instruction set '", name, "' (auto, avx512 or avx2)");
   }
 }
 
@@ -529,7 +668,7 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& panels, int64_t out_fea
     float* y = out.mutable_data_ptr<float>();
     const float* bias_f = b.defined() ? b.const_data_ptr<float>() : nullptr;
 #if CBCORE_SKINNY_AVX512
-    if (chosen == Isa::avx512) {
+    if (chosen >= Isa::avx512) {
       run_tiles<Avx512Shape>(kTilesF32.fn, xblocks.get(), K * kRowBlock, w, K, M, N, y, bias_f, flops);
       return out;
     }
@@ -545,8 +684,19 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& panels, int64_t out_fea
   uint16_t* y = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>());
   const uint16_t* bias_bits =
       b.defined() ? reinterpret_cast<const uint16_t*>(b.const_data_ptr<at::BFloat16>()) : nullptr;
+#if CBCORE_SKINNY_AMX
+  if (chosen == Isa::amx && K % kAmxDepth == 0) {
+    // x's rows as they are, padded with zero rows to whole tiles of 16.
+    const int64_t Mp = ceil_div(M, 16) * 16;
+    const std::unique_ptr<uint16_t[]> xs(new uint16_t[static_cast<size_t>(Mp * K)]);
+    for (int64_t r = 0; r < M; ++r) std::memcpy(xs.get() + r * K, src + r * ldx, sizeof(uint16_t) * K);
+    std::memset(xs.get() + M * K, 0, sizeof(uint16_t) * (Mp - M) * K);
+    run_amx(xs.get(), Mp, M, K, w, N, y, bias_bits, threads_for(flops, ceil_div(N, kPanel) * K * kPanel * 2));
+    return out;
+  }
+#endif
 #if CBCORE_SKINNY_AVX512
-  if (chosen == Isa::avx512) {
+  if (chosen >= Isa::avx512) {
     // [blocks][K2][16] pairs of bf16 (the first k in the low half), an odd K's last pair and rows past M zero.
     const std::unique_ptr<uint32_t[]> xblocks = row_blocks<uint32_t>(M, K2, [&](int64_t r, int64_t k2) {
       const at::BFloat16* row = src + r * ldx;

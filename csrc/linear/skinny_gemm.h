@@ -15,12 +15,14 @@ namespace skinny {
 // with AVX2 and FMA at least. False for every other dtype.
 bool available(at::ScalarType dtype);
 
-// The instruction set a call for `dtype` runs now: "avx512" (float32: AVX-512F/BW/VL/DQ; bfloat16: and
-// AVX512-BF16), "avx2" (AVX2 and FMA), or "none".
+// The instruction set a call for `dtype` runs now: "amx" (bfloat16: AMX's bf16 tiles where K is a multiple of 32,
+// AVX-512's otherwise), "avx512" (float32: AVX-512F/BW/VL/DQ; bfloat16: and AVX512-BF16), "avx2" (AVX2 and FMA),
+// or "none".
 std::string isa(at::ScalarType dtype);
 
-// "avx2": AVX2's tiles from now on, even where AVX-512's would run; "auto": the best this CPU has. ValueError for
-// another name or a CPU without AVX2. Packed weights serve both (one layout).
+// "avx512": AVX-512's tiles from now on, even where AMX's would run; "avx2": AVX2's, even where AVX-512's would;
+// "auto": the best this CPU has. ValueError for another name or a CPU without the set. Packed weights serve every
+// set (one layout).
 void set_isa(const std::string& name);
 
 // The panels of `weight` [N, K] (float32 or bfloat16, on the CPU): see skinny_gemm.cpp for the layout.
