@@ -83,7 +83,7 @@ struct DecodeParams {
   float* partials;   // per split chunk: num_rows x (max, sum, v_head_dim accumulators)
   int64_t num_rows;  // query heads
   bool dpbf16;       // the AVX-512 copy may use vdpbf16ps (the CPU has AVX512-BF16 and the ISA allows it)
-  bool amx = false;  // ... and AMX's bf16 tiles for the lane kernels' scores (the cascade's shared prefix)
+  bool amx = false;  // ... and AMX's bf16 tiles for the lane kernels (the cascade's shared prefix)
 };
 
 struct DecodeItem {
@@ -129,7 +129,7 @@ struct PrefillParams {
   void* out;           // [num_tokens, heads, v_head_dim] contiguous
   int64_t out_stride_t;
   bool dpbf16;       // the AVX-512 copy may use vdpbf16ps (as DecodeParams::dpbf16)
-  bool amx = false;  // ... and AMX's bf16 tiles for the lane kernels' scores (as DecodeParams::amx)
+  bool amx = false;  // ... and AMX's bf16 tiles for the lane kernels (as DecodeParams::amx)
 };
 
 struct PrefillItem {
@@ -210,7 +210,7 @@ namespace avx512 {
 // ---- instruction set -----------------------------------------------------------------------------------
 
 // kAvx512, kAvx512Bf16 and kAvx512Amx run the same copy; kAvx512Bf16 also lets it use vdpbf16ps, kAvx512Amx
-// vdpbf16ps and AMX's bf16 tiles (the lane kernels' scores).
+// vdpbf16ps and AMX's bf16 tiles (the lane kernels' scores and weighted sums).
 enum class Isa { kGeneric, kAvx2, kAvx512, kAvx512Bf16, kAvx512Amx };
 
 bool cpu_has_avx2() {

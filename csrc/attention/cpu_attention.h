@@ -132,7 +132,7 @@ void prefill_attention_planned(const PrefillPlan& plan, const at::Tensor& q, con
                                const std::optional<at::Tensor>& sinks, const at::Tensor& out);
 
 // The instruction set the kernels run with: "avx512_amx" (AVX-512 with vdpbf16ps, and AMX's bf16 tiles for the lane
-// kernels' scores), "avx512_bf16" (AVX-512 with vdpbf16ps for bf16), "avx512", "avx2" or "generic".
+// kernels' scores and weighted sums), "avx512_bf16" (AVX-512 with vdpbf16ps for bf16), "avx512", "avx2" or "generic".
 std::string isa();
 
 // Whether this CPU has AMX's bf16 tiles and Linux granted this process their state (asked once, on the first call);
