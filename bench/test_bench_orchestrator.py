@@ -49,8 +49,9 @@ from cbcore.requests import RequestState, RequestStatus
 from cbcore.scheduler import SCHEDULING_ORDERS, ScheduledBatch, Scheduler
 
 PAGE_SIZE = 16
-# The CPU step budgets of cbcore/manager.py (DEFAULT_MAX_BATCH_TOKENS["cpu"], FALLBACK_MAX_REQUESTS_PER_BATCH) when
-# this was written; fixed here so the workload does not change under the figures if those defaults do.
+# The CPU step budgets of cbcore/engine/sizing.py (DEFAULT_MAX_BATCH_TOKENS["cpu"], now 2048;
+# FALLBACK_MAX_REQUESTS_PER_BATCH) when this was written; fixed here so the workload does not change under the figures
+# when those defaults do.
 MAX_BATCH_TOKENS = 1024
 MAX_REQUESTS_PER_BATCH = 1024
 SHAPE = CacheShape(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)

@@ -13,8 +13,8 @@ The configs (transformers' `CompileConfig`: backend, mode, fullgraph, dynamic, o
 else `default_compile_level` 1-3 gives a default; else the generation config's `compile_config`; else none (eager).
 The levels:
     0  eager (no compilation)
-    1  inductor, mode "default", dynamic token counts (transformers' level 1); every level without inductor's
-       run-time asserts on the custom ops' outputs (UNCHECKED_OUTPUTS)
+    1  inductor, mode "default", dynamic token counts (transformers' level 1); every level with DEFAULT_OPTIONS
+       (no run-time asserts on the custom ops' outputs; the CPU kernels' loops parallel whatever warm-up's sizes)
     2  inductor, mode "max-autotune-no-cudagraphs" (autotuned kernels and matmul templates), dynamic token counts
        (transformers' level 2)
     3  as 2, plus coordinate-descent tuning of the generated GPU kernels. transformers' level 3 turns dynamic shapes
@@ -67,12 +67,12 @@ def default_compile_config(level: int) -> CompileConfig | None:
     if level == 0:
         return None
     if level == 1:
-        return CompileConfig(mode="default", fullgraph=False, dynamic=True, options=dict(UNCHECKED_OUTPUTS))
+        return CompileConfig(mode="default", fullgraph=False, dynamic=True, options=dict(DEFAULT_OPTIONS))
     # transformers' level 3 also turns dynamic shapes off: with its steps padded to the CUDA-graph buckets that is
     # a bounded set of graphs. cbcore's steps are not padded, so static shapes would compile one graph per token
     # count (and fall back to eager past Dynamo's recompile limit); level 3 keeps them dynamic and adds the
     # coordinate-descent tuning of the generated GPU kernels instead.
-    options = {**UNCHECKED_OUTPUTS, **({"coordinate_descent_tuning": True} if level == 3 else {})}
+    options = {**DEFAULT_OPTIONS, **({"coordinate_descent_tuning": True} if level == 3 else {})}
     return CompileConfig(mode="max-autotune-no-cudagraphs", fullgraph=False, dynamic=True, options=options)
 
 
@@ -82,6 +82,13 @@ def default_compile_config(level: int) -> CompileConfig | None:
 # serve with one (tests/test_compiled_step.py: decode and varlen graphs, a sliding window): there each op's output is
 # checked against what its fake implementation says.
 UNCHECKED_OUTPUTS = {"size_asserts": False, "alignment_asserts": False}
+# Inductor decides whether a generated CPU loop runs on every thread from the sizes the graph was traced with (work
+# under `cpp.min_chunk_size` x threads iterations stays on one thread, inside an `omp single`). cbcore's graphs are
+# traced by warmup() on 1-3 tokens, so every loop over tokens looked tiny: in a W1 bf16 prefill step of ~900 tokens
+# the K half of the rotary embedding and rotate_half's copies ran on one core (6.6 -> 4.6 ms a step once parallel).
+# At 1, any loop of at least as many iterations as threads is split; W2 fp32, W3 fp32 +2-3% tok/s, same tokens.
+PARALLEL_LOOPS = {"cpp.min_chunk_size": 1}
+DEFAULT_OPTIONS = {**UNCHECKED_OUTPUTS, **PARALLEL_LOOPS}
 
 
 def resolve_compile_configs(cb_config, generation_config=None) -> tuple[CompileConfig | None, CompileConfig | None]:

@@ -205,6 +205,8 @@ def test_configs_resolve_as_in_transformers() -> None:
     assert varlen.to_dict() == default_compile_config(2).to_dict()
     assert default_compile_config(1).mode == "default" and default_compile_config(1).dynamic
     assert default_compile_config(2).mode == "max-autotune-no-cudagraphs"
+    # Every default level splits the generated CPU loops over the threads whatever sizes warm-up traced them with.
+    assert all(default_compile_config(level).options["cpp.min_chunk_size"] == 1 for level in (1, 2, 3))
     fallback = CompileConfig(dynamic=True, mode="default")
     varlen, decode = resolve_compile_configs(cbcore.ContinuousBatchingConfig(),
                                              GenerationConfig(compile_config=fallback))
