@@ -19,6 +19,7 @@ from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from . import request_inputs
 from .config import ContinuousBatchingConfig
+from .linear import release_packed
 from .manager import ContinuousBatchingManager
 from .requests import GenerationOutput
 
@@ -49,11 +50,13 @@ class ContinuousMixin:
         return ContinuousBatchingManager(self, gen_config, continuous_batching_config, workload_hints)
 
     def destroy_cached_continuous_batching_manager(self) -> None:
-        """Destroy the manager kept by `persistent_manager=True`, if any."""
+        """Destroy the manager kept by `persistent_manager=True`, if any, and free the packed linear weights kept
+        for the next manager (cbcore/linear.py: `release_packed`)."""
         cached = getattr(self, "_cached_continuous_batching_manager", None)
         if isinstance(cached, ContinuousBatchingManager):
             cached.destroy()
             del self._cached_continuous_batching_manager
+        release_packed(self)
 
     @contextmanager
     def continuous_batching_context_manager(

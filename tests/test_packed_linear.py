@@ -210,3 +210,87 @@ def test_merging_can_be_turned_off_and_unlike_siblings_stay_alone(monkeypatch) -
         assert set(_group_sizes(block).values()) == {1}
     finally:
         packed.detach()
+
+
+def _count_packs(monkeypatch) -> list[int]:
+    """Record the handles the C++ op is asked to pack from now on."""
+    from cbcore import _C
+
+    packed: list[int] = []
+    register = _C.register_packed_linear
+
+    def counting(handle, *args, **kwargs):
+        packed.append(handle)
+        return register(handle, *args, **kwargs)
+
+    monkeypatch.setattr(_C, "register_packed_linear", counting)
+    return packed
+
+
+def _serve(model: torch.nn.Module, prompts: list[list[int]]) -> list[list[int]]:
+    outputs, manager = run_engine(model, prompts, greedy_config(5), cbcore.ContinuousBatchingConfig(page_size=8))
+    assert_engine_clean(manager)
+    return [outputs[rid].generated_tokens for rid in outputs]
+
+
+@pytest.mark.parametrize("change", ["none", "in_place", "replaced", "storage_swapped"])
+def test_the_next_manager_takes_back_the_packed_weights_unless_they_changed(monkeypatch, change) -> None:
+    """A manager's packed copies stay parked for the model's next manager (one per generate_batch call): taken back
+    as they are, repacked by the op after an in-place change (version counters), packed again after a weight was
+    replaced by another tensor or its Parameter given another storage (`param.data = ...`, as model.to() does)."""
+    from cbcore.linear import _members
+
+    model = copy.deepcopy(tiny_model("qwen2"))  # merged q/k/v with biases
+    prompts = random_prompts([7, 12], seed=8)
+    packed = _count_packs(monkeypatch)
+    first = _serve(model, prompts)
+    if not packed:
+        pytest.skip("nothing is packed on this CPU")
+    assert first == [reference_tokens(model, p, greedy_config(5)) for p in prompts]
+    before = len(packed)
+    module = model.model.layers[0].mlp.down_proj
+    with torch.no_grad():
+        if change == "in_place":
+            module.weight.mul_(-2.0)
+        elif change == "replaced":
+            module.weight = torch.nn.Parameter(module.weight * -2.0)
+        elif change == "storage_swapped":
+            module.weight.data = module.weight.data * -2.0
+    expected = [reference_tokens(model, p, greedy_config(5)) for p in prompts]
+    assert (expected == first) == (change == "none")  # the change shows in the tokens (else nothing is tested)
+    assert _serve(model, prompts) == expected
+    repacked = [_members[module].group.handle] if change in ("replaced", "storage_swapped") else []
+    assert packed[before:] == repacked
+
+
+def test_parked_packs_are_freed_on_request_at_detach_when_asked_and_with_the_model(monkeypatch) -> None:
+    import gc
+
+    from cbcore.linear import KEEP_PACKED_ENV, _members, release_packed
+
+    model = copy.deepcopy(tiny_model("llama_gqa"))
+    prompts = random_prompts([9], seed=9)
+    packed = _count_packs(monkeypatch)
+    _serve(model, prompts)
+    if not packed:
+        pytest.skip("nothing is packed on this CPU")
+    first = len(packed)
+    _serve(model, prompts)
+    assert len(packed) == first  # taken back
+    assert release_packed(model) == first and release_packed(model) == 0
+    _serve(model, prompts)
+    assert len(packed) == 2 * first  # freed, so packed again
+    cbcore.enable(model).destroy_cached_continuous_batching_manager()  # frees them too
+    assert release_packed(model) == 0
+
+    monkeypatch.setenv(KEEP_PACKED_ENV, "0")  # freed at every detach
+    _serve(model, prompts)
+    assert len(packed) == 3 * first and release_packed(model) == 0
+    monkeypatch.delenv(KEEP_PACKED_ENV)
+
+    _serve(model, prompts)  # parked again; the model's garbage collection frees the op's copies
+    finalizers = [_members[module].group.finalizer for module in model.modules() if module in _members]
+    assert finalizers and all(f.alive for f in finalizers)
+    del model
+    gc.collect()
+    assert not any(f.alive for f in finalizers)
