@@ -46,7 +46,7 @@ compiled step stays valid across `generate_batch` calls (nothing it guards on ch
 
 Weights changed in place (an optimizer step between two `generate_batch` calls, or inside `manager.pause()`) are seen
 by the op: it keeps the source tensors with their `_version` counters and reorders again when one moved. Weights
-replaced by other tensors are seen when the engine looks for weight changes (when its loop starts and when a pause is
+replaced by other tensors, or given other storage, are seen when the engine looks for weight changes (when its loop starts and when a pause is
 released: `PackedLinears.refresh`), and when a parked copy is taken back. Memory: the packed copy costs one more copy
 of the linear weights while a manager runs, and, parked, between managers (two where a weight has both the skinny
 matmul's panels and oneDNN's copy: bf16 without AMX, fp32 with it).
@@ -219,7 +219,7 @@ class _PackedWeight:
 
     def drop(self) -> None:
         """Release the packed copy (and the op's references to the sources)."""
-        _extension().drop_packed_linear(self.handle)
+        _drop_handle(self.handle)
 
 
 def _layouts(sources: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[tuple]:

@@ -64,10 +64,11 @@ def test_manager_packs_at_start_and_restores_at_stop() -> None:
         assert torch.equal(model(prompt).logits, during)
 
 
-@pytest.mark.parametrize("how", ["in_place", "replaced"])
+@pytest.mark.parametrize("how", ["in_place", "replaced", "storage_swapped"])
 def test_weights_changed_during_a_pause_are_repacked(how) -> None:
-    """In place (the op sees the version counters move) or replaced by new parameters, weights and biases (the engine
-    notices when the pause is released and packs them again)."""
+    """In place (the op sees the version counters move), replaced by new parameters, or the same parameters given
+    another storage (`param.data = ...`, as model.to() does), weights and biases (the engine notices the last two when
+    the pause is released and packs them again)."""
     model = copy.deepcopy(tiny_model("qwen2"))  # q/k/v have biases: merged, with a concatenated bias
     prompts = random_prompts([7, 12], seed=5)
     # Fresh prompts after the update: K/V cached for the old weights would be reused by a prefix hit.
@@ -82,10 +83,14 @@ def test_weights_changed_during_a_pause_are_repacked(how) -> None:
                     module.weight.mul_(-1.5)
                     if module.bias is not None:
                         module.bias.add_(0.5)
-                else:  # as loading another checkpoint into the modules would
+                elif how == "replaced":  # as loading another checkpoint into the modules would
                     module.weight = torch.nn.Parameter(module.weight * -1.5)
                     if module.bias is not None:
                         module.bias = torch.nn.Parameter(module.bias + 0.5)
+                else:
+                    module.weight.data = module.weight.data * -1.5
+                    if module.bias is not None:
+                        module.bias.data = module.bias.data + 0.5
         request_ids = manager.add_requests(new_prompts)
         outputs = collect_outputs(manager, request_ids)
     finally:

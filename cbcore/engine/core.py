@@ -380,10 +380,10 @@ class EngineCore:
                 self.binding.detach()
 
     def notice_weight_changes(self, changed_elsewhere: bool = False) -> bool:
-        """If any parameter changed in place since the last look (an update inside `pause()`, an optimizer step
-        between two sessions of a kept manager), K/V cached for the old weights must not be shared with new
-        requests, so the prefix cache is invalidated. Weights can change only while the loop is parked or stopped,
-        so the loop looks when it starts and when a pause is released, not every step. `changed_elsewhere`: another
+        """If any parameter changed in place or was given other storage since the last look (an update inside
+        `pause()`, an optimizer step between two sessions of a kept manager), K/V cached for the old weights must not
+        be shared with new requests, so the prefix cache is invalidated. Weights can change only while the loop is
+        parked or stopped, so the loop looks when it starts and when a pause is released, not every step. `changed_elsewhere`: another
         tensor-parallel rank's shard changed (its K/V shard is stale), so invalidate even if this one's did not.
         Returns whether this process's parameters changed.
 
@@ -392,7 +392,8 @@ class EngineCore:
         again, now, before the next step runs."""
         if self.runner.step_forward.notice_structure_changes():
             self.compile_ahead()
-        signature = hash(tuple((id(p), p._version) for p in self.model.parameters()))
+        # The storage too: `param.data = ...` (model.to(), .half()) swaps it without moving the version counter.
+        signature = hash(tuple((id(p), p._version, p.data_ptr()) for p in self.model.parameters()))
         changed = self._weights_signature is not None and signature != self._weights_signature
         if changed:
             self.binding.notice_replaced_weights()
