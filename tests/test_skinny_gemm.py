@@ -39,8 +39,9 @@ def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
 
 
 ROWS = [1, 2, 3, 4, 7, 8, 12, 13, 16, 17, 33, 64, 150]
-# (K, N); K = 64 and 96 take AMX's tiles where they run (K a multiple of 32).
-SHAPES = [(1, 1), (7, 15), (64, 16), (65, 17), (96, 40), (577, 200)]
+# (K, N); K = 64, 96 and 128 take AMX's tiles where they run (K a multiple of 32): one panel, a pair and a single,
+# and fifteen (the last partial) split over the threads in pairs.
+SHAPES = [(1, 1), (7, 15), (64, 16), (65, 17), (96, 40), (128, 232), (577, 200)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -311,16 +311,16 @@ constexpr TileTable<uint16_t, uint32_t, uint32_t, TileBf16, Avx512Shape> kTilesB
 #if CBCORE_SKINNY_AMX
 // AMX's bf16 tiles: one tile product multiplies 16 rows by 32 k by 16 columns (8192 multiply-adds, 256x what one
 // vdpbf16ps does), and the bf16 panels are already its right operand's layout: a panel's 16 consecutive pairs of k
-// are one 1 KB tile (16 pairs x 16 columns x 2). The left operand is x itself, 16 rows x 32 k a tile, rows padded to
-// whole tiles. So per panel and 32 k, one weight tile feeds up to four row tiles (64 rows), whose fp32 sums stay in
-// tile registers over all of K. Products of two bf16 are exact in fp32, as with vdpbf16ps; the sums run in another
-// order; one rounding to bf16 at the end. Takes K a multiple of 32 (the tiles' depth; other K run AVX-512's tiles).
+// are one 1 KB tile (16 pairs x 16 columns x 2). The left operand is x, 16 rows x 32 k a tile, staged so that each
+// tile is one contiguous KB, rows padded to whole tiles. Blocks of two row tiles by two panels keep their four fp32
+// sums in tile registers over all of K. Products of two bf16 are exact in fp32, as with vdpbf16ps; the sums run in
+// another order; one rounding to bf16 at the end. Takes K a multiple of 32 (the tiles' depth; other K run AVX-512's
+// tiles).
 #define CB_SKINNY_AMX_TARGET \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
 namespace {
 
 constexpr int64_t kAmxDepth = 32;      // k per tile product
-constexpr int64_t kAmxRowTiles = 4;    // row tiles a pass over the panels takes (tiles 0-3 hold their sums)
 constexpr int64_t kAmxTileFloats = 256;  // 16 x 16
 
 struct alignas(64) AmxTileConfig {
@@ -329,40 +329,40 @@ struct alignas(64) AmxTileConfig {
   uint8_t rows[16] = {};
 };
 
-// One panel's columns for R row tiles over all of K: tiles 0..R-1 the sums, 4 and 5 x's rows (alternating, so a
-// load need not wait for the product reading the other), 6 the weights. xs: the pass's first row, rows K apart;
-// sums: R tiles of 16 x 16 floats.
-template <int R>
-CB_SKINNY_AMX_TARGET void amx_panel(const uint16_t* xs, int64_t K, const uint32_t* panel, float* sums) {
-  const int64_t x_stride = K * static_cast<int64_t>(sizeof(uint16_t));
+// A block of RT row tiles by PT panels (each 1 or 2) over all of K, AMX's usual 2 x 2 blocking: tiles 0-3 the sums
+// (row tile r, panel j in tile 2r + j), 4 and 5 x's row tiles, 6 and 7 the panels' weight tiles; per 32 k, RT + PT
+// tile loads feed RT x PT products. xs: the block's first row tile as staged (its tile at k at xs + 16 k, the next
+// row tile's 16 K words on); panel: the first panel, the second
+// `panel_words` after it; sums: tile 2r + j at sums + (2r + j) * 256. Per 32 k it asks for `ahead_lines` lines
+// (64 bytes) into L2, from `ahead` on: the caller spreads the next pair of panels over its blocks.
+// Before, a block was up to four row tiles by one panel: at 64 rows four loads of x, which at K >= 384 is past L1,
+// per weight tile, and the calls ran at 0.9x oneDNN's time (bench/results/linear_crossover_xeon_amx.md).
+template <int RT, int PT>
+CB_SKINNY_AMX_TARGET void amx_block(const uint16_t* xs, int64_t K, const uint32_t* panel, int64_t panel_words,
+                                    const char* ahead, int64_t ahead_lines, float* sums) {
   _tile_zero(0);
-  if constexpr (R > 1) _tile_zero(1);
-  if constexpr (R > 2) _tile_zero(2);
-  if constexpr (R > 3) _tile_zero(3);
+  if constexpr (PT > 1) _tile_zero(1);
+  if constexpr (RT > 1) _tile_zero(2);
+  if constexpr (RT > 1 && PT > 1) _tile_zero(3);
   for (int64_t k = 0; k < K; k += kAmxDepth) {
     const uint32_t* w = panel + (k / 2) * kPanel;
-    for (int64_t line = 0; line < 16; ++line)
-      _mm_prefetch(reinterpret_cast<const char*>(w + line * kPanel) + kPrefetchBytes, _MM_HINT_T1);
+    for (int64_t line = 0; line < ahead_lines; ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T1);
+    ahead += ahead_lines * 64;
     _tile_loadd(6, w, 64);
-    _tile_loadd(4, xs + k, x_stride);
+    if constexpr (PT > 1) _tile_loadd(7, w + panel_words, 64);
+    _tile_loadd(4, xs + k * 16, 64);
     _tile_dpbf16ps(0, 4, 6);
-    if constexpr (R > 1) {
-      _tile_loadd(5, xs + 16 * K + k, x_stride);
-      _tile_dpbf16ps(1, 5, 6);
-    }
-    if constexpr (R > 2) {
-      _tile_loadd(4, xs + 32 * K + k, x_stride);
-      _tile_dpbf16ps(2, 4, 6);
-    }
-    if constexpr (R > 3) {
-      _tile_loadd(5, xs + 48 * K + k, x_stride);
-      _tile_dpbf16ps(3, 5, 6);
+    if constexpr (PT > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (RT > 1) {
+      _tile_loadd(5, xs + 16 * K + k * 16, 64);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (PT > 1) _tile_dpbf16ps(3, 5, 7);
     }
   }
   _tile_stored(0, sums, 64);
-  if constexpr (R > 1) _tile_stored(1, sums + kAmxTileFloats, 64);
-  if constexpr (R > 2) _tile_stored(2, sums + 2 * kAmxTileFloats, 64);
-  if constexpr (R > 3) _tile_stored(3, sums + 3 * kAmxTileFloats, 64);
+  if constexpr (PT > 1) _tile_stored(1, sums + kAmxTileFloats, 64);
+  if constexpr (RT > 1) _tile_stored(2, sums + 2 * kAmxTileFloats, 64);
+  if constexpr (RT > 1 && PT > 1) _tile_stored(3, sums + 3 * kAmxTileFloats, 64);
 }
 
 // A tile's sums (16 x 16 floats) into `rows` rows of out, `cols` columns, bias added, rounded to bf16.
@@ -377,46 +377,57 @@ CB_SKINNY_AMX_TARGET void store_amx_tile(const float* sums, int64_t rows, uint16
   }
 }
 
-// Panels [p0, p1) of x (rows staged in xs, [Mp][K] bf16, Mp a multiple of 16, rows past M zero) @ W into out
-// [M, N], per pass of up to 64 rows every panel of the range. One thread's share (the tile configuration is the
-// thread's own).
+// Panels [p0, p1) of x (staged in xs as [Mp / 16][K / 32][16][32] bf16 tiles, rows past M zero) @ W into out
+// [M, N]: per chunk of up to kRowChunk rows (x's chunk stays in L2), per pair of panels, every pair of row tiles.
+// One thread's share (the tile configuration is the thread's own); p0 even, so pairs do not straddle threads.
 CB_SKINNY_AMX_TARGET void amx_panels(const uint16_t* xs, int64_t Mp, int64_t M, int64_t K, const uint32_t* panels,
                                      int64_t p0, int64_t p1, int64_t N, uint16_t* out, const uint16_t* bias) {
   AmxTileConfig config;
-  for (int t = 0; t < 7; ++t) {
+  for (int t = 0; t < 8; ++t) {
     config.colsb[t] = 64;
     config.rows[t] = 16;
   }
   _tile_loadconfig(&config);
-  const int64_t panel_words = (K / 2) * kPanel;
-  alignas(64) float sums[kAmxRowTiles * kAmxTileFloats];
-  for (int64_t r0 = 0; r0 < Mp; r0 += 16 * kAmxRowTiles) {
-    const int64_t tiles = std::min(kAmxRowTiles, (Mp - r0) / 16);
-    const uint16_t* xr = xs + r0 * K;
-    for (int64_t p = p0; p < p1; ++p) {
+  const int64_t panel_words = (K / 2) * kPanel, pair_bytes = 2 * panel_words * static_cast<int64_t>(sizeof(uint32_t));
+  alignas(64) float sums[4 * kAmxTileFloats];
+  for (int64_t chunk = 0; chunk < Mp; chunk += kRowChunk) {
+    const int64_t chunk_tiles = std::min(kRowChunk, Mp - chunk) / 16, blocks = ceil_div(chunk_tiles, 2);
+    // The weights stream from memory one pair of panels ahead, spread evenly over the pair's row blocks: asked for
+    // only in the first block, the memory idled while the others ran (64 rows: half of the time).
+    const int64_t ahead_lines = ceil_div(pair_bytes / 64, blocks * (K / kAmxDepth));
+    const char* first = reinterpret_cast<const char*>(panels + p0 * panel_words);
+    for (int64_t at = 0; at < pair_bytes; at += 64) _mm_prefetch(first + at, _MM_HINT_T1);
+    for (int64_t p = p0; p < p1; p += 2) {
       const uint32_t* panel = panels + p * panel_words;
-      switch (tiles) {
-        case 1: amx_panel<1>(xr, K, panel, sums); break;
-        case 2: amx_panel<2>(xr, K, panel, sums); break;
-        case 3: amx_panel<3>(xr, K, panel, sums); break;
-        default: amx_panel<4>(xr, K, panel, sums); break;
-      }
-      const int64_t col0 = p * kPanel, cols = std::min<int64_t>(kPanel, N - col0);
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t row = r0 + 16 * t;
-        store_amx_tile(sums + t * kAmxTileFloats, std::min<int64_t>(16, M - row), out + row * N + col0, N, cols,
-                       bias ? bias + col0 : nullptr);
+      const int64_t pt = std::min<int64_t>(2, p1 - p);
+      const char* ahead = reinterpret_cast<const char*>(panel) + pair_bytes;  // the next pair (past p1: harmless)
+      for (int64_t t0 = 0; t0 < chunk_tiles; t0 += 2) {
+        const int64_t rt = std::min<int64_t>(2, chunk_tiles - t0);
+        const uint16_t* xr = xs + (chunk + 16 * t0) * K;
+        const char* block_ahead = ahead + (t0 / 2) * ahead_lines * (K / kAmxDepth) * 64;
+        if (rt == 2 && pt == 2) amx_block<2, 2>(xr, K, panel, panel_words, block_ahead, ahead_lines, sums);
+        else if (rt == 2) amx_block<2, 1>(xr, K, panel, panel_words, block_ahead, ahead_lines, sums);
+        else if (pt == 2) amx_block<1, 2>(xr, K, panel, panel_words, block_ahead, ahead_lines, sums);
+        else amx_block<1, 1>(xr, K, panel, panel_words, block_ahead, ahead_lines, sums);
+        for (int64_t r = 0; r < rt; ++r) {
+          const int64_t row = chunk + 16 * (t0 + r);
+          for (int64_t j = 0; j < pt; ++j) {
+            const int64_t col0 = (p + j) * kPanel;
+            store_amx_tile(sums + (2 * r + j) * kAmxTileFloats, std::min<int64_t>(16, M - row), out + row * N + col0,
+                           N, std::min<int64_t>(kPanel, N - col0), bias ? bias + col0 : nullptr);
+          }
+        }
       }
     }
   }
   _tile_release();
 }
 
-// The whole call: threads over contiguous panel ranges, as run_tiles.
+// The whole call: threads over contiguous ranges of whole pairs of panels, as run_tiles.
 void run_amx(const uint16_t* xs, int64_t Mp, int64_t M, int64_t K, const uint32_t* panels, int64_t N, uint16_t* out,
              const uint16_t* bias, int64_t threads) {
   const int64_t P = ceil_div(N, kPanel);
-  at::parallel_for(0, P, ceil_div(P, threads), [&](int64_t p0, int64_t p1) {
+  at::parallel_for(0, P, 2 * ceil_div(ceil_div(P, threads), 2), [&](int64_t p0, int64_t p1) {
     amx_panels(xs, Mp, M, K, panels, p0, p1, N, out, bias);
   });
 }
@@ -686,11 +697,19 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& panels, int64_t out_fea
       b.defined() ? reinterpret_cast<const uint16_t*>(b.const_data_ptr<at::BFloat16>()) : nullptr;
 #if CBCORE_SKINNY_AMX
   if (chosen == Isa::amx && K % kAmxDepth == 0) {
-    // x's rows as they are, padded with zero rows to whole tiles of 16.
+    // x as the tiles' left operands, each 16 rows x 32 k tile one contiguous KB ([Mp/16][K/32][16][32]; rows
+    // past M zero): a tile load reads 16 consecutive lines, which the L1's prefetchers follow (with x's rows K
+    // apart, the tile loads at 64 rows ran ~50 cycles each, against the 16 of a tile product).
     const int64_t Mp = ceil_div(M, 16) * 16;
     const std::unique_ptr<uint16_t[]> xs(new uint16_t[static_cast<size_t>(Mp * K)]);
-    for (int64_t r = 0; r < M; ++r) std::memcpy(xs.get() + r * K, src + r * ldx, sizeof(uint16_t) * K);
-    std::memset(xs.get() + M * K, 0, sizeof(uint16_t) * (Mp - M) * K);
+    for (int64_t r = 0; r < Mp; ++r) {
+      uint16_t* tile_row = xs.get() + (r / 16) * 16 * K + (r % 16) * kAmxDepth;
+      for (int64_t k = 0; k < K; k += kAmxDepth) {
+        uint16_t* dst = tile_row + k * 16;
+        if (r < M) std::memcpy(dst, src + r * ldx + k, sizeof(uint16_t) * kAmxDepth);
+        else std::memset(dst, 0, sizeof(uint16_t) * kAmxDepth);
+      }
+    }
     run_amx(xs.get(), Mp, M, K, w, N, y, bias_bits, threads_for(flops, ceil_div(N, kPanel) * K * kPanel * 2));
     return out;
   }
