@@ -83,6 +83,10 @@ def token_ids(value: Any, what: str) -> list[int]:
         raise TypeError(f"{what} is a {type(value).__name__}: tokenize the text first (cbcore takes token ids)")
     if not isinstance(value, (list, tuple)):
         raise TypeError(f"{what} must be a list of token ids (ints) or a 1-D integer tensor, got {type(value).__name__}")
+    if set(map(type, value)) <= {int}:
+        # The common case, plain ints (bool is a subclass, not the type): checked in C. Element by element below,
+        # a batch's prompts took ~2 us a token (W2's 64 prompts of ~550 tokens: 69 ms of a 1.06 s generate_batch).
+        return list(value)
     ids = []
     for index, token in enumerate(value):
         as_int = _as_int(token)

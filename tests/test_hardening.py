@@ -755,3 +755,17 @@ def test_per_request_sampling_values_apply_when_the_config_builds_no_processor()
     finally:
         manager.stop()
     assert output.generated_tokens == reference_tokens(model, prompt, greedy_config(6))
+
+
+def test_prompts_of_plain_ints_are_copied_and_other_integers_converted() -> None:
+    """The fast path (every element a plain int) returns a copy, so the caller's list changing later changes no
+    request; other integer types (numpy's, 0-d tensors, int subclasses) take the element-wise path and come out as
+    plain ints."""
+    from cbcore.request_inputs import token_ids
+
+    ids = [1, 2, 3]
+    out = token_ids(ids, "x")
+    assert out == ids and out is not ids
+    assert token_ids((4, 5), "x") == [4, 5] and token_ids([], "x") == []
+    mixed = token_ids([6, torch.tensor(7), np.int64(8)], "x")
+    assert mixed == [6, 7, 8] and all(type(t) is int for t in mixed)
