@@ -119,10 +119,11 @@ SKINNY_MAX_ROWS_BF16 = 64
 # 512 (bench/linear_crossover.py, bench/results/linear_crossover_xeon_amx.md).
 SKINNY_MAX_ROWS_FP32_AMX = 64
 # bf16 on a CPU with AMX tiles, where the skinny matmul runs them too (K a multiple of AMX_DEPTH): on a Xeon with AMX,
-# with its 2 x 2 tile blocks, it ran a W2-shaped step's linears in 0.6-0.7x oneDNN's time at 16-32 rows, 0.86-0.93x
-# at 64, 0.92-0.97x at 96-128 and 1.07-1.09x at 192-256; a W4-shaped step's in 0.8x at 32 rows, 1.0x at 48-128 and
-# 1.08-1.14x past it (bench/results/linear_crossover_xeon_amx.md). In the engine the gain was larger: W1 and W2 bf16
-# (decode steps of 64 rows) ran 8-13% faster in all with 64 or 128 here than with 32 (generate_batch, tok/s).
+# with its 2 x 2 tile blocks, it ran a W2-shaped step's linears in 0.6-0.73x oneDNN's time at 1-32 rows, 0.85-0.93x
+# at 64, 0.92-1.06x at 96-128 and 1.07-1.09x at 192-256; a W4-shaped step's in 0.74-0.8x up to 32 rows, 0.96-1.04x
+# at 48-128 and 1.08-1.14x past it (bench/results/linear_crossover_xeon_amx.md). Even at 96-128 it wins where a row
+# count is new: oneDNN builds a primitive per row count (~1-3 ms at 40-200 rows). In the engine the gain was larger:
+# W1 and W2 bf16 (decode steps of 64 rows) ran 8-13% faster in all with 64 or 128 here than with 32 (tok/s).
 SKINNY_MAX_ROWS_BF16_AMX = 128
 AMX_DEPTH = 32  # k per AMX tile product: the skinny matmul's AMX tiles take K a multiple of it
 
