@@ -85,7 +85,7 @@ def token_ids(value: Any, what: str) -> list[int]:
         raise TypeError(f"{what} must be a list of token ids (ints) or a 1-D integer tensor, got {type(value).__name__}")
     if set(map(type, value)) <= {int}:
         # The common case, plain ints (bool is a subclass, not the type): checked in C. Element by element below,
-        # a batch's prompts took ~2 us a token (W2's 64 prompts of ~550 tokens: 69 ms of a 1.06 s generate_batch).
+        # W2's 64 prompts of ~550 tokens took 8.2 ms a pass (0.7 ms this way), inside generate_batch's time.
         return list(value)
     ids = []
     for index, token in enumerate(value):

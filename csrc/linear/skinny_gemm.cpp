@@ -332,9 +332,9 @@ struct alignas(64) AmxTileConfig {
 // A block of RT row tiles by PT panels (each 1 or 2) over all of K, AMX's usual 2 x 2 blocking: tiles 0-3 the sums
 // (row tile r, panel j in tile 2r + j), 4 and 5 x's row tiles, 6 and 7 the panels' weight tiles; per 32 k, RT + PT
 // tile loads feed RT x PT products. xs: the block's first row tile as staged (its tile at k at xs + 16 k, the next
-// row tile's 16 K words on); panel: the first panel, the second
-// `panel_words` after it; sums: tile 2r + j at sums + (2r + j) * 256. Per 32 k it asks for `ahead_lines` lines
-// (64 bytes) into L2, from `ahead` on: the caller spreads the next pair of panels over its blocks.
+// row tile's 16 K words on); panel: the first panel, the second `panel_words` after it; sums: tile 2r + j at
+// sums + (2r + j) * 256. Per 32 k it asks for `ahead_lines` lines (64 bytes) into L2, from `ahead` on: the caller
+// spreads the next pair of panels over its blocks.
 // Before, a block was up to four row tiles by one panel: at 64 rows four loads of x, which at K >= 384 is past L1,
 // per weight tile, and the calls ran at 0.9x oneDNN's time (bench/results/linear_crossover_xeon_amx.md).
 template <int RT, int PT>
