@@ -46,10 +46,10 @@ compiled step stays valid across `generate_batch` calls (nothing it guards on ch
 
 Weights changed in place (an optimizer step between two `generate_batch` calls, or inside `manager.pause()`) are seen
 by the op: it keeps the source tensors with their `_version` counters and reorders again when one moved. Weights
-replaced by other tensors, or given other storage, are seen when the engine looks for weight changes (when its loop starts and when a pause is
-released: `PackedLinears.refresh`), and when a parked copy is taken back. Memory: the packed copy costs one more copy
-of the linear weights while a manager runs, and, parked, between managers (two where a weight has both the skinny
-matmul's panels and oneDNN's copy: bf16 without AMX, fp32 with it).
+replaced by other tensors, or given other storage, are seen when the engine looks for weight changes (when its loop
+starts and when a pause is released: `PackedLinears.refresh`), and when a parked copy is taken back. Memory: the
+packed copy costs one more copy of the linear weights while a manager runs, and, parked, between managers (two where
+a weight has both the skinny matmul's panels and oneDNN's copy: bf16 without AMX, fp32 with it).
 
 Numerics: oneDNN sums in a different order than MKL, as any change of batch shape already does; greedy parity with
 `model.generate` is tested with it on. `CBCORE_PACKED_LINEAR=0` turns packing off (read at attach), and

@@ -383,9 +383,9 @@ class EngineCore:
         """If any parameter changed in place or was given other storage since the last look (an update inside
         `pause()`, an optimizer step between two sessions of a kept manager), K/V cached for the old weights must not
         be shared with new requests, so the prefix cache is invalidated. Weights can change only while the loop is
-        parked or stopped, so the loop looks when it starts and when a pause is released, not every step. `changed_elsewhere`: another
-        tensor-parallel rank's shard changed (its K/V shard is stale), so invalidate even if this one's did not.
-        Returns whether this process's parameters changed.
+        parked or stopped, so the loop looks when it starts and when a pause is released, not every step.
+        `changed_elsewhere`: another tensor-parallel rank's shard changed (its K/V shard is stale), so invalidate even
+        if this one's did not. Returns whether this process's parameters changed.
 
         Also where the model's structure is checked (cbcore/structure_fingerprint.py: its compiled step assumes
         it): a change (a hook added, a module's attribute set, a parameter of another shape) compiles the step
