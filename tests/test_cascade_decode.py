@@ -156,6 +156,25 @@ def test_cascade_equals_plain_decode_in_half_precision(isa, dtype, head_dim) -> 
     assert_close(cascade, want, dtype)
 
 
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize(("page_size", "prefix_blocks", "trim"), [(16, 3, 0), (16, 70, 0), (256, 2, 0), (16, 5, 7)],
+                         ids=["48-keys", "1120-keys-two-chunks", "512-keys", "73-keys-a-partial-group"])
+def test_bf16_cascade_on_pages_of_whole_groups_of_sixteen_keys(isa, page_size, prefix_blocks, trim, head_dim,
+                                                               with_sinks) -> None:
+    """Pages of whole groups of 16 keys: on AMX CPUs the bf16 prefix runs in two passes on tiles, its K tiles loaded
+    from the pages (cascade_prefix_amx). A member that ends `trim` keys before the shared blocks do makes the prefix
+    end inside a group of 16 (the group is staged, its keys past the prefix never weigh)."""
+    owns = [0, 5, 40, 0, 17, 3, 0, 9]
+    q, k, v, table, lens = shared_prefix_batch([prefix_blocks], [owns], page_size, head_dim=head_dim,
+                                               dtype=torch.bfloat16, seed=prefix_blocks + head_dim)
+    lens[0] -= trim
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(3)) * 2 if with_sinks else None
+    cascade, _, want, groups = run_both(q, k, v, table, lens, sinks=sinks)
+    assert groups == [(list(range(len(owns))), prefix_blocks * page_size - trim)]
+    assert_close(cascade, want, torch.bfloat16)
+
+
 def test_mixed_groups_and_loners(isa) -> None:
     """Two groups of different prefixes, requests sharing nothing, in one batch."""
     q, k, v, table, lens = shared_prefix_batch([6, 0, 9, 0], [[1, 30, 4], [12], [2, 2, 2, 2, 50], [70]], 8)

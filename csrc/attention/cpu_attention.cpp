@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <string>
@@ -135,6 +136,9 @@ struct PrefillParams {
 struct PrefillItem {
   int64_t request, kv_head, q_begin, q_end;  // query positions [q_begin, q_end) within the request
 };
+
+// Split-K chunk for decode: positions [c * kDecodeChunk, (c + 1) * kDecodeChunk).
+constexpr int64_t kDecodeChunk = 1024;
 
 // Below this much work (cost units: one key for one query row) a call stays on the calling thread: waking
 // the pool costs more than it saves.
@@ -366,38 +370,6 @@ void check_table_row(const int32_t* row, int64_t max_blocks, int64_t num_blocks,
     TORCH_CHECK_VALUE(row[i] >= 0 && row[i] < num_blocks, "cbcore CPU attention: request ", request,
                       " block table entry ", i, " is ", row[i], ", outside [0, ", num_blocks, ")");
 }
-
-// Combines the chunks of each split request, in chunk order: with M = max m_i, out = sum(acc_i e^(m_i - M)) /
-// sum(l_i e^(m_i - M)). merges holds (request, first partial slot, number of chunks).
-template <typename T>
-void merge_partials(const DecodeParams& P, const std::vector<std::array<int64_t, 3>>& merges) {
-  // A cascade member whose suffix is empty and whose prefix is one chunk has one partial: the loop below is still
-  // right (weight e^0 = 1).
-  const int64_t R = P.num_rows, D = P.v_head_dim;
-  at::parallel_for(0, static_cast<int64_t>(merges.size()), 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(static_cast<size_t>(D));
-    for (int64_t i = begin; i < end; ++i) {
-      const auto [request, first, count] = merges[i];
-      for (int64_t r = 0; r < R; ++r) {
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t c = 0; c < count; ++c) m = std::max(m, P.partials[((first + c) * R + r) * (D + 2)]);
-        float l = 0.0f;
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t c = 0; c < count; ++c) {
-          const float* part = P.partials + ((first + c) * R + r) * (D + 2);
-          const float w = std::exp(part[0] - m);
-          l += part[1] * w;
-          for (int64_t d = 0; d < D; ++d) acc[d] += part[2 + d] * w;
-        }
-        T* out = static_cast<T*>(P.out) + request * P.out_stride_b + r * D;
-        for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(acc[d] / l);
-      }
-    }
-  });
-}
-
-// Split-K chunk for decode: positions [c * kDecodeChunk, (c + 1) * kDecodeChunk).
-constexpr int64_t kDecodeChunk = 1024;
 
 // Query positions per prefill item: about 128 query rows (positions x query heads of one kv head); 128 measured
 // 5-20% faster than 64 (the K/V panels are packed once per item, so bigger items pack less often).
@@ -707,7 +679,20 @@ void decode_attention_planned(const DecodePlan& decode_plan, const at::Tensor& q
   const float cap = check_softcap(softcap);
   const float* sink = check_sinks(sinks, q.size(1));
   const int64_t heads = q.size(1), head_dim = q.size(2), v_head_dim = v_cache.size(3);
-  std::vector<float> partials(static_cast<size_t>(plan.num_partials * heads * (v_head_dim + 2)));
+  // The chunks' partial states. Every slot is written by its item before the merge reads it, so the buffer is not
+  // zeroed, and up to kKeptPartials floats it is kept from call to call (W2's cascade step: 270 KB a layer).
+  constexpr size_t kKeptPartials = size_t{1} << 20;
+  const size_t partials_size = static_cast<size_t>(plan.num_partials * heads * (v_head_dim + 2));
+  thread_local std::vector<float> kept_partials;
+  std::unique_ptr<float[]> own_partials;
+  float* partials = nullptr;
+  if (partials_size <= kKeptPartials) {
+    if (kept_partials.size() < partials_size) kept_partials.resize(partials_size);
+    partials = kept_partials.data();
+  } else {
+    own_partials.reset(new float[partials_size]);
+    partials = own_partials.get();
+  }
   DecodeParams P{q.const_data_ptr(), q.stride(0), q.stride(1),
                  k_cache.const_data_ptr(), v_cache.const_data_ptr(),
                  plan.page_size, k_cache.stride(0), k_cache.stride(1),
@@ -716,14 +701,13 @@ void decode_attention_planned(const DecodePlan& decode_plan, const at::Tensor& q
                  plan.table.const_data_ptr<int32_t>(), plan.table.size(1),
                  static_cast<float>(scale), cap, sink,
                  out.data_ptr(), out.stride(0),
-                 partials.data(), heads, false};
+                 partials, heads, false};
   const Isa isa = active_isa().load();
   P.dpbf16 = isa == Isa::kAvx512Bf16 || isa == Isa::kAvx512Amx;
   P.amx = isa == Isa::kAvx512Amx;
   dispatch_dtype(q.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    CB_RUN_ISA(isa, decode_run<T>, P, plan.items, plan.groups, plan.cascade_items, plan.total_cost);
-    merge_partials<T>(P, plan.merges);
+    CB_RUN_ISA(isa, decode_run<T>, P, plan.items, plan.groups, plan.cascade_items, plan.merges, plan.total_cost);
   });
 }
 
