@@ -162,9 +162,10 @@ def test_cascade_equals_plain_decode_in_half_precision(isa, dtype, head_dim) -> 
                          ids=["48-keys", "1120-keys-two-chunks", "512-keys", "73-keys-a-partial-group"])
 def test_bf16_cascade_on_pages_of_whole_groups_of_sixteen_keys(isa, page_size, prefix_blocks, trim, head_dim,
                                                                with_sinks) -> None:
-    """Pages of whole groups of 16 keys: on AMX CPUs the bf16 prefix runs in two passes on tiles, its K tiles loaded
-    from the pages (cascade_prefix_amx). A member that ends `trim` keys before the shared blocks do makes the prefix
-    end inside a group of 16 (the group is staged, its keys past the prefix never weigh)."""
+    """The bf16 prefix in two passes: on AMX CPUs on tiles, with K tiles loaded from the pages, which here hold whole
+    groups of 16 keys (cascade_prefix_amx); with AVX512-BF16 alone on vdpbf16ps (cascade_prefix_dpbf16, also
+    reached by the other tests' pages of 8). A member that ends `trim` keys before the shared blocks do makes the
+    prefix end inside a group of 16, and of 32 (staged, or zero weights past the prefix: those keys never weigh)."""
     owns = [0, 5, 40, 0, 17, 3, 0, 9]
     q, k, v, table, lens = shared_prefix_batch([prefix_blocks], [owns], page_size, head_dim=head_dim,
                                                dtype=torch.bfloat16, seed=prefix_blocks + head_dim)
