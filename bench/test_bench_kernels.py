@@ -1,7 +1,8 @@
 """Microbenchmarks: the C++ CPU attention kernels (cbcore._C), per instruction set, against the plain-torch references
 and this machine's memory bandwidth measured in the same run.
 
-Shapes (every request's pages scattered in shuffled block order, as a long-running cache leaves them):
+Shapes (every request's pages scattered in shuffled block order, as a long-running cache leaves them; the caches
+mapped as the engine maps its own, on huge pages where the system allows):
 - decode: head shapes `9/3x64` (SmolLM2-135M: 9 query heads over 3 kv heads, head_dim 64) and `32/8x128` (a 7-8B
   Llama: 32 over 8, head_dim 128); batch x context 32x1024 and 64x2048; page size 16; fp32 and bf16.
     GB/s = bytes of K and V the op must read / time = batch x context x kv_heads x head_dim x 2 (K, V) x bytes per
@@ -46,6 +47,7 @@ import torch
 
 from cbcore import ops
 from cbcore.benchmarks.machine import cpu_model
+from cbcore.cache import zeroed_pages
 
 _C = ops._cpu_kernels()
 pytestmark = pytest.mark.skipif(_C is None, reason="cbcore._C was built without the CPU attention kernels")
@@ -77,14 +79,30 @@ def _threads():
     _C._set_cpu_attention_isa("auto")
 
 
+def engine_cache(values: torch.Tensor) -> torch.Tensor:
+    """`values` in memory mapped as the engine maps its cache (cbcore.cache.zeroed_pages: huge pages where the system
+    allows them), so that the kernels meet the TLB behaviour they meet in a step."""
+    pages = zeroed_pages(tuple(values.shape), values.dtype, values.device)
+    pages.copy_(values)
+    return pages
+
+
+def transparent_huge_pages() -> str:
+    """The system's THP mode, as the kernel reports it (`[madvise]` where the engine's caches get huge pages)."""
+    try:
+        return Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
 def paged_inputs(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  num_queries: int, seed: int = 0):
     """Caches with each request's blocks shuffled through the whole cache, the block table, and queries."""
     generator = torch.Generator().manual_seed(seed)
     blocks = batch * (-(-context // PAGE_SIZE))
     shape = (blocks, PAGE_SIZE, kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=generator).to(dtype)
-    v_cache = torch.randn(shape, generator=generator).to(dtype)
+    k_cache, v_cache = engine_cache(torch.randn(shape, generator=generator).to(dtype)), engine_cache(
+        torch.randn(shape, generator=generator).to(dtype))
     table = torch.randperm(blocks, generator=generator).view(batch, -1).to(torch.int32)
     q = torch.randn(num_queries, heads, head_dim, generator=generator).to(dtype)
     return q, k_cache, v_cache, table
@@ -165,8 +183,8 @@ def w2_step(dtype: torch.dtype, seed: int = 0):
         next_block += count
         table[i, :len(ids)] = order[torch.tensor(ids)].to(torch.int32)
     shape = (num_blocks, W2_PAGE, W2_KV_HEADS, W2_HEAD_DIM)
-    k_cache = torch.randn(shape, generator=generator).to(dtype)
-    v_cache = torch.randn(shape, generator=generator).to(dtype)
+    k_cache, v_cache = engine_cache(torch.randn(shape, generator=generator).to(dtype)), engine_cache(
+        torch.randn(shape, generator=generator).to(dtype))
     q = torch.randn(W2_BATCH, W2_HEADS, W2_HEAD_DIM, generator=generator).to(dtype)
     return q, k_cache, v_cache, table, lens
 
@@ -364,6 +382,8 @@ def _write_report(request):
         f"- hardware: {hardware()}",
         f"- decode: heads {', '.join(HEAD_SHAPES)} (query/kv heads x head dim), page size {PAGE_SIZE}, pages "
         f"shuffled; batch x context {', '.join(f'{b}x{c}' for b, c in DECODE_SHAPES)}",
+        f"- K/V caches: mapped as the engine maps its own (cbcore.cache.zeroed_pages), transparent huge pages "
+        f"{transparent_huge_pages()}",
         f"- cascade: W2's step, {W2_BATCH} requests sharing a {W2_PREFIX}-token prefix (page size {W2_PAGE}) + "
         f"16..64 own prompt tokens + 0..63 generated, heads {W2_HEADS}/{W2_KV_HEADS}x{W2_HEAD_DIM}; one layer's "
         "planned decode, plan built beforehand",
