@@ -2,7 +2,7 @@
 and this machine's memory bandwidth measured in the same run.
 
 Shapes (every request's pages scattered in shuffled block order, as a long-running cache leaves them; the caches
-mapped as the engine maps its own, on huge pages where the system allows):
+mapped as the engine maps its own):
 - decode: head shapes `9/3x64` (SmolLM2-135M: 9 query heads over 3 kv heads, head_dim 64) and `32/8x128` (a 7-8B
   Llama: 32 over 8, head_dim 128); batch x context 32x1024 and 64x2048; page size 16; fp32 and bf16.
     GB/s = bytes of K and V the op must read / time = batch x context x kv_heads x head_dim x 2 (K, V) x bytes per
@@ -80,19 +80,11 @@ def _threads():
 
 
 def engine_cache(values: torch.Tensor) -> torch.Tensor:
-    """`values` in memory mapped as the engine maps its cache (cbcore.cache.zeroed_pages: huge pages where the system
-    allows them), so that the kernels meet the TLB behaviour they meet in a step."""
+    """`values` in memory mapped as the engine maps its cache (cbcore.cache.zeroed_pages), so that the kernels meet
+    the page sizes (TLB behaviour) they meet in a step."""
     pages = zeroed_pages(tuple(values.shape), values.dtype, values.device)
     pages.copy_(values)
     return pages
-
-
-def transparent_huge_pages() -> str:
-    """The system's THP mode, as the kernel reports it (`[madvise]` where the engine's caches get huge pages)."""
-    try:
-        return Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
-    except OSError:
-        return "unknown"
 
 
 def paged_inputs(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -382,8 +374,7 @@ def _write_report(request):
         f"- hardware: {hardware()}",
         f"- decode: heads {', '.join(HEAD_SHAPES)} (query/kv heads x head dim), page size {PAGE_SIZE}, pages "
         f"shuffled; batch x context {', '.join(f'{b}x{c}' for b, c in DECODE_SHAPES)}",
-        f"- K/V caches: mapped as the engine maps its own (cbcore.cache.zeroed_pages), transparent huge pages "
-        f"{transparent_huge_pages()}",
+        "- K/V caches: mapped as the engine maps its own (cbcore.cache.zeroed_pages)",
         f"- cascade: W2's step, {W2_BATCH} requests sharing a {W2_PREFIX}-token prefix (page size {W2_PAGE}) + "
         f"16..64 own prompt tokens + 0..63 generated, heads {W2_HEADS}/{W2_KV_HEADS}x{W2_HEAD_DIM}; one layer's "
         "planned decode, plan built beforehand",

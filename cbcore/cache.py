@@ -62,18 +62,15 @@ def zeroed_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     alive and unmaps it when it is freed. Zeros (not `torch.empty`'s leftovers) because a freed engine's memory may
     be reused for the next and a kernel must never meet a NaN in a page it masks out.
 
-    The mapping asks for transparent huge pages (2 MiB; honoured where the system's THP mode is `madvise` or
-    `always`): a decode reads each token's K/V row of a page in its own 4 KiB page otherwise (8 kv heads x 128 x fp32
-    is 4 KiB), a TLB miss per row once the cache outgrows the TLB's reach, and every first touch is a page fault.
-    The 128-dim fp32 decode at 64 x 2048 read 26.5 -> 28.2 GB/s on huge pages; W2 fp32 through `generate_batch`
-    took 3.24-3.28 -> 2.93-3.18 s a run (medians of 5, two alternating pairs on a Zen 4). A huge page is zeroed
-    whole when first touched: up to 2 MiB more resident than the blocks in use, per layer and K/V."""
+    The mapping stays on 4 KiB pages. Transparent huge pages (madvise) made the 128-dim fp32 decode at 64 x 2048
+    read 26.5 -> 28.2 GB/s (fewer TLB misses: a token's row of 8 kv heads x 128 x fp32 is a 4 KiB page of its own),
+    but every huge page is zeroed whole when first touched, and on a VM whose memory the host backs lazily that
+    first touch is slow: W2 fp32 in a fresh process (`python -m cbcore bench`, cbcore alone, two rounds of three)
+    went 1235-1273 -> 1125-1138 tok/s, its first tokens ~250 ms later, 200 MiB more resident."""
     nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes < LAZY_ZERO_MIN_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux
-        mapping.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(mapping, dtype=dtype).view(shape)
 
 
