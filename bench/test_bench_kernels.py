@@ -46,7 +46,7 @@ import pytest
 import torch
 
 from cbcore import ops
-from cbcore.benchmarks.machine import cpu_model
+from cbcore.benchmarks.machine import cpu_model, last_level_cache_bytes
 from cbcore.cache import zeroed_pages
 
 _C = ops._cpu_kernels()
@@ -107,14 +107,18 @@ def run_and_time(benchmark, fn, slow: bool) -> float:
     return benchmark.stats.stats.median
 
 
+# Bytes flush_caches() writes: twice the last-level cache, at least 64 MiB, at most 2 GiB. A fixed 64 MiB (twice
+# a Zen 4's 32 MiB L3) left W2's layer mostly in the 480 MiB L3 of a Xeon this ran on: its plain decode took 1.04 ms
+# after 64 MiB, 1.21 after 256 and 1.39 after 1 GiB (1.00 with nothing written).
+FLUSH_BYTES = min(max(2 * (last_level_cache_bytes() or 0), 64 * 2**20), 2 * 2**30)
 _FLUSH: list[torch.Tensor] = []
 
 
 def flush_caches() -> None:
-    """Writes 64 MiB, twice this CPU's 32 MiB L3 and more than most: what the other layers' weights and pages do to
-    a layer's pages between its steps. Each layer's K/V then comes from DRAM, as in a real decode step."""
+    """Writes FLUSH_BYTES: what the other layers' weights and pages do to a layer's pages between its steps. Each
+    layer's K/V then comes from DRAM, as in a real decode step."""
     if not _FLUSH:
-        _FLUSH.append(torch.ones(16 * 2**20))
+        _FLUSH.append(torch.ones(FLUSH_BYTES // 4))
     _FLUSH[0].add_(1.0)
 
 
@@ -403,8 +407,9 @@ def _write_report(request):
         lines.append(f"| {r['heads']} | {r['batch']}x{r['context']} | {r['dtype']} | {r['implementation']} | "
                      f"{r['ms']:.2f} | {r['gb_per_s']:.1f} | {share} | {r['tokens_per_s']:.0f} |")
     lines += ["", "## Cascade on W2's step", "",
-              "cached: the layer's pages stay in the L3 between calls; flushed: 64 MiB written before each call, so "
-              "they come from DRAM as in a real step.", "",
+              "cached: the layer's pages stay in the L3 between calls; flushed: "
+              f"{FLUSH_BYTES // 2**20} MiB (twice the last-level cache) written before each call, so they come from "
+              "DRAM, as after a step's other layers on a CPU whose cache they overflow.", "",
               "| pages | dtype | implementation | plain ms | cascade ms | cascade / plain |", "|---|---|---|---|---|---|"]
     cascade = {(r["variant"], r["dtype"], r["implementation"], r.get("residency", "cached")): r["ms"] for r in ROWS
                if r["op"] == "cascade"}
