@@ -1,16 +1,22 @@
-// The paged decode's memory access on one core, with its prefetch in the two orders bench/results/
-// decode_bandwidth_probe.md compares (stop 35). Reads 2 x 256 MiB laid out as the 128-dim fp32 cache (pages of 16
-// tokens, a token's row 8 kv heads x 512 bytes = 4 KiB, pages shuffled), in the decode's order: per tile of 32 keys,
-// per kv head, that head's 512 bytes of each of the tile's 32 K rows, then of its 32 V rows. Additions only, so
-// what is timed is the memory system. Prints GB/s for each prefetch variant (best of 5 passes):
-//   sequential   the whole region front to back, no software prefetch (the hardware prefetchers' best case)
-//   none         the decode's order, no software prefetch
-//   head order   the decode's order, beside each load one prefetch of the same columns of the next tile's row
-//   address      the decode's order, beside each load one prefetch of the next tile's rows in address order
+// The paged decode's memory access on one core, in the read and prefetch orders bench/results/
+// decode_bandwidth_probe.md compares (stops 35 and 36). Reads 2 x 256 MiB laid out as the 128-dim fp32 cache (pages
+// of 16 tokens, or of the count given, a token's row 8 kv heads x 512 bytes = 4 KiB, pages shuffled). Additions
+// only, so what is timed is the memory system. Prints GB/s for each variant (best of 5 passes):
+//   sequential       the whole region front to back, no software prefetch (the hardware prefetchers' best case)
+//   none             the decode's order (per tile of 32 keys, per kv head, that head's 512 bytes of each of the
+//                    tile's 32 K rows, then of its 32 V rows), no software prefetch
+//   head order       the decode's order, beside each load one prefetch of the same columns of the next tile's row
+//   address          the decode's order, beside each load one prefetch of the next tile's rows in address order
+//                    (the decode since stop 35)
+//   rows             each row of the tile read whole (all heads) in turn, K's then V's, no software prefetch
+//   4-row groups     four rows at a time, per kv head that head's 512 bytes of each of the four (a decode that
+//                    scores four keys across the heads before the next four), no software prefetch
+//   4-row + starts   4-row groups, and at each group the first four lines of each row of the next group
 //
-//   cc -O2 -march=x86-64-v4 bench/decode_prefetch_order_probe.c -o /tmp/probe && /tmp/probe [huge]
+//   cc -O2 -march=x86-64-v4 bench/decode_prefetch_order_probe.c -o /tmp/probe && /tmp/probe [huge] [page tokens]
 //
-// `huge` maps the region on transparent huge pages (madvise); without it 4 KiB pages, as the engine maps its cache.
+// `huge` maps the region on transparent huge pages (madvise); `small` (or anything else) 4 KiB pages, as the engine
+// maps its cache. The page size defaults to 16 tokens (the kernel bench's); 256 is the engine's default.
 #include <immintrin.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,8 +24,9 @@
 #include <sys/mman.h>
 #include <time.h>
 
-enum { kRow = 4096, kHeads = 8, kHeadBytes = 512, kPageTokens = 16, kTile = 32 };
-static const long kPages = 4096;  // x 16 tokens x 4 KiB = 256 MiB each for K and V
+enum { kRow = 4096, kHeads = 8, kHeadBytes = 512, kTile = 32, kGroup = 4 };
+static const long kRegion = 256L << 20;  // bytes each for K and V
+static long page_tokens = 16, pages;
 
 static double now(void) {
   struct timespec t;
@@ -30,16 +37,13 @@ static double now(void) {
 static char *K, *V;
 static long* perm;
 static const char* row(const char* base, long t) {
-  return base + perm[t / kPageTokens] * (kPageTokens * kRow) + (t % kPageTokens) * kRow;
+  return base + perm[t / page_tokens] * (page_tokens * kRow) + (t % page_tokens) * kRow;
 }
 
-static __m512 pass(int variant, __m512 acc) {
-  const long keys = kPages * kPageTokens, bytes = keys * kRow;
-  if (variant == 0) {
-    for (long c = 0; c < bytes; c += 64) acc = _mm512_add_ps(acc, _mm512_loadu_ps((const float*)(K + c)));
-    for (long c = 0; c < bytes; c += 64) acc = _mm512_add_ps(acc, _mm512_loadu_ps((const float*)(V + c)));
-    return acc;
-  }
+static __m512 add_line(__m512 acc, const char* p) { return _mm512_add_ps(acc, _mm512_loadu_ps((const float*)p)); }
+
+// The decode's order (variants 1-3): per tile, per kv head, the head's bytes of the tile's K rows, then V rows.
+static __m512 head_by_head(int variant, __m512 acc, long keys) {
   for (long t0 = 0; t0 < keys; t0 += kTile) {
     const long next = t0 + kTile < keys ? t0 + kTile : 0;
     long line = 0;  // the address-order stream: the next tile's K rows, then its V rows
@@ -49,7 +53,7 @@ static __m512 pass(int variant, __m512 acc) {
         for (int t = 0; t < kTile; ++t) {
           const char* r = row(base, t0 + t) + h * kHeadBytes;
           for (int c = 0; c < kHeadBytes; c += 64) {
-            acc = _mm512_add_ps(acc, _mm512_loadu_ps((const float*)(r + c)));
+            acc = add_line(acc, r + c);
             if (variant == 2) _mm_prefetch(row(base, next + t) + h * kHeadBytes + c, _MM_HINT_T1);
             if (variant == 3) {
               const long r_ = line / (kRow / 64), l_ = line % (kRow / 64);
@@ -64,28 +68,68 @@ static __m512 pass(int variant, __m512 acc) {
   return acc;
 }
 
+// Rows in address order (variants 4-6): per tile, K's rows then V's, whole rows or groups of four across the heads.
+static __m512 row_major(int variant, __m512 acc, long keys) {
+  for (long t0 = 0; t0 < keys; t0 += kTile) {
+    for (int kv = 0; kv < 2; ++kv) {
+      const char* base = kv ? V : K;
+      if (variant == 4) {
+        for (int t = 0; t < kTile; ++t)
+          for (int c = 0; c < kRow; c += 64) acc = add_line(acc, row(base, t0 + t) + c);
+        continue;
+      }
+      for (int t = 0; t < kTile; t += kGroup) {
+        if (variant == 6) {
+          const long next = t0 + t + kGroup < keys ? t0 + t + kGroup : 0;
+          for (int j = 0; j < kGroup; ++j)
+            for (int c = 0; c < 256; c += 64) _mm_prefetch(row(base, next + j) + c, _MM_HINT_T1);
+        }
+        for (int h = 0; h < kHeads; ++h)
+          for (int j = 0; j < kGroup; ++j)
+            for (int c = 0; c < kHeadBytes; c += 64) acc = add_line(acc, row(base, t0 + t + j) + h * kHeadBytes + c);
+      }
+    }
+  }
+  return acc;
+}
+
+static __m512 pass(int variant, __m512 acc) {
+  const long keys = pages * page_tokens;
+  if (variant == 0) {
+    for (long c = 0; c < kRegion; c += 64) acc = add_line(acc, K + c);
+    for (long c = 0; c < kRegion; c += 64) acc = add_line(acc, V + c);
+    return acc;
+  }
+  return variant <= 3 ? head_by_head(variant, acc, keys) : row_major(variant, acc, keys);
+}
+
 int main(int argc, char** argv) {
   const int huge = argc > 1 && strcmp(argv[1], "huge") == 0;
-  const long bytes = kPages * kPageTokens * kRow;
-  K = mmap(0, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  V = mmap(0, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (huge) {
-    madvise(K, bytes, MADV_HUGEPAGE);
-    madvise(V, bytes, MADV_HUGEPAGE);
+  if (argc > 2) page_tokens = atol(argv[2]);
+  if (page_tokens <= 0 || (kRegion / kRow) % page_tokens != 0) {
+    fprintf(stderr, "page tokens must divide %ld (a power of two)\n", kRegion / kRow);
+    return 2;
   }
-  memset(K, 0, bytes);
-  memset(V, 0, bytes);
-  perm = malloc(kPages * sizeof(long));
-  for (long i = 0; i < kPages; ++i) perm[i] = i;
+  pages = kRegion / (page_tokens * kRow);
+  K = mmap(0, kRegion, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  V = mmap(0, kRegion, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (huge) {
+    madvise(K, kRegion, MADV_HUGEPAGE);
+    madvise(V, kRegion, MADV_HUGEPAGE);
+  }
+  memset(K, 0, kRegion);
+  memset(V, 0, kRegion);
+  perm = malloc(pages * sizeof(long));
+  for (long i = 0; i < pages; ++i) perm[i] = i;
   srand(1);
-  for (long i = kPages - 1; i > 0; --i) {
+  for (long i = pages - 1; i > 0; --i) {
     const long j = rand() % (i + 1), t = perm[i];
     perm[i] = perm[j];
     perm[j] = t;
   }
-  const char* names[] = {"sequential", "none", "head order", "address"};
+  const char* names[] = {"sequential", "none", "head order", "address", "rows", "4-row groups", "4-row + starts"};
   __m512 acc = _mm512_setzero_ps();
-  for (int variant = 0; variant < 4; ++variant) {
+  for (int variant = 0; variant < 7; ++variant) {
     double best = 1e9;
     for (int rep = 0; rep < 5; ++rep) {
       const double t = now();
@@ -93,7 +137,7 @@ int main(int argc, char** argv) {
       const double seconds = now() - t;
       if (seconds < best) best = seconds;
     }
-    printf("%-11s %5.1f GB/s\n", names[variant], 2.0 * bytes / best / 1e9);
+    printf("%-15s %5.1f GB/s\n", names[variant], 2.0 * kRegion / best / 1e9);
   }
   float sink[16];
   _mm512_storeu_ps(sink, acc);
