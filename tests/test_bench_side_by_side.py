@@ -164,3 +164,14 @@ def test_results_default_to_the_checkouts_bench_results() -> None:
     # This suite runs from the source checkout; an installed copy defaults to ./bench-results/ (the packaging test).
     assert locations.checkout_bench_dir() == Path(__file__).resolve().parents[1] / "bench"
     assert side_by_side.build_parser().parse_args(["--workload", "W1"]).out == locations.checkout_bench_dir() / "results"
+
+
+def test_last_level_cache_is_the_largest_cache_linux_reports(tmp_path) -> None:
+    from cbcore.benchmarks.machine import last_level_cache_bytes
+
+    for name, size in (("index0", "48K"), ("index2", "2048K"), ("index3", "491520K"), ("index4", "bogus")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "size").write_text(size + "\n")
+    (tmp_path / "index1").mkdir()  # no size file: skipped
+    assert last_level_cache_bytes(tmp_path) == 480 * 2**20
+    assert last_level_cache_bytes(tmp_path / "missing") is None

@@ -18,18 +18,20 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def last_level_cache_bytes() -> int | None:
+_SIZE_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def last_level_cache_bytes(cache_dir: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
     """The size of the CPU's largest cache (its L3 on most x86 machines) as Linux reports it for cpu0
-    (/sys/devices/system/cpu/cpu0/cache/index*/size, "32768K" say); None where there is no such file. On a VM this
-    is the host's cache, which other guests share."""
+    (`cache_dir`/index*/size, "32768K" say); None where there is no such file. On a VM this is the host's cache,
+    which other guests share."""
     sizes = []
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+    for index in cache_dir.glob("index*"):
         try:
             text = (index / "size").read_text().strip()
         except OSError:
             continue
-        units = {"K": 2**10, "M": 2**20, "G": 2**30}
-        number, unit = (text[:-1], units[text[-1]]) if text and text[-1] in units else (text, 1)
+        number, unit = (text[:-1], _SIZE_UNITS[text[-1]]) if text[-1:] in _SIZE_UNITS else (text, 1)
         if number.isdigit():
             sizes.append(int(number) * unit)
     return max(sizes, default=None)
@@ -59,11 +61,12 @@ def machine_facts() -> dict:
     import torch
     import transformers
 
+    llc = last_level_cache_bytes()
     return {
         "cpu": cpu_model(),
         "vector_isa": vector_isa(),
         "cores": os.cpu_count(),
-        "last_level_cache_mib": (lambda b: b and round(b / 2**20))(last_level_cache_bytes()),
+        "last_level_cache_mib": round(llc / 2**20) if llc else None,
         "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "gpu": None,
         "python": platform.python_version(),
