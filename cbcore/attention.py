@@ -41,6 +41,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import ops
+from .ops import custom_ops
 
 ATTENTION_NAME = "cbcore_paged"
 STEP_KWARG = "cbcore_step"
@@ -101,11 +102,37 @@ def paged_step(step: StepMetadata | None = None) -> Iterator[None]:
     arguments down (StableLM, Nemotron): the keyword argument is used when it arrives, this otherwise."""
     _in_paged_step.active = True
     _in_paged_step.step = step
+    extension = _enter_cpu_step(step)
     try:
         yield
     finally:
         _in_paged_step.active = False
         _in_paged_step.step = None
+        if extension is not None:
+            extension.exit_cpu_step()
+
+
+def _enter_cpu_step(step: Any):
+    """Hand the step to the C++ CPU kernel of `torch.ops.cbcore.step_attention` (csrc/attention/
+    cpu_step_attention.cpp) when its kernels are the C++ CPU ones; the extension to call `exit_cpu_step` on after, or
+    None. A step of another kernel mode (the reference, CUDA) or device is left to the op's Python implementation."""
+    extension = custom_ops._cpu_step_extension()
+    if extension is None:
+        return None
+    if isinstance(step, WarmupStep):
+        extension.enter_warmup_step()
+        return extension
+    if not isinstance(step, StepMetadata) or step.kernel_mode not in ("auto", "cpu"):
+        return None
+    # Copies of the page lists, taken by iteration: the start-up self-check hands a list that counts item reads (one
+    # per layer's attention call).
+    key_caches, value_caches = list(step.key_caches), list(step.value_caches)
+    if not key_caches or key_caches[0].device.type != "cpu" or ops._cpu_kernels() is None:
+        return None
+    extension.enter_cpu_step(key_caches, value_caches, step.slot_mapping, step.num_decode_tokens,
+                             step.decode_block_table, step.decode_seq_lens, step.num_prefill_requests,
+                             step.prefill_block_table, step.prefill_cu_seqlens_q, step.prefill_seq_lens_k)
+    return extension
 
 
 def current_step() -> Any:

@@ -184,6 +184,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "cbcore's C++ extension: the KV-cache block allocator, the CPU attention kernels, the packed linears, the swap pool and the OpenMP team release.";
   cbcore::bind_block_allocator(m);
   cbcore::register_cpu_attention_bindings(m);
+  cbcore::register_cpu_step_attention_bindings(m);
   cbcore::register_swap_bindings(m);
   cbcore::register_packed_linear_bindings(m);
   cbcore::register_runtime_bindings(m);

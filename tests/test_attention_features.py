@@ -122,6 +122,9 @@ ENGINE_SETTINGS = {
     "page4_chunked": dict(page_size=4, max_batch_tokens=16),
     "page16_chunked_prefill_first": dict(page_size=16, max_batch_tokens=24, scheduler_type="prefill_first"),
     "page256_defaults": dict(page_size=256),
+    # The compiled step: on the CPU each layer's attention is the C++ kernel of cbcore::step_attention (with the
+    # reference kernels, its Python body), soft-cap, sinks and the window included.
+    "page4_chunked_compiled": dict(page_size=4, max_batch_tokens=16, default_compile_level=1),
 }
 
 

@@ -15,7 +15,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from transformers.generation.configuration_utils import CompileConfig
 
 import cbcore
-from cbcore import attention
+from cbcore import _C, attention
 from cbcore.compiled_step import COMPILE_ENV, compile_seconds, default_compile_config, resolve_compile_configs
 from conftest import VOCAB, collect_outputs, greedy_config, random_prompts, reference_tokens, run_engine, tiny_model
 
@@ -80,12 +80,16 @@ def serve_compiled(model: torch.nn.Module, level: int, monkeypatch
         return run_step_attention(*args, **kwargs)
 
     monkeypatch.setattr(attention, "run_step_attention", counted)
+    cpp_layers = _C.cpu_step_attention_layers()
     try:
         request_ids = manager.add_requests(workload())
         outputs = collect_outputs(manager, request_ids)
     finally:
         manager.stop(block=True, timeout=60)
     after_breaks, after_graphs = counters()
+    # The op's layers run in C++ on the CPU (csrc/attention/cpu_step_attention.cpp), through its Python body
+    # (custom_ops.py) otherwise: both are the compiled graph's calls.
+    callers += ["cpu_step_attention.cpp"] * (_C.cpu_step_attention_layers() - cpp_layers)
     return ([outputs[r].generated_tokens for r in request_ids], manager, after_breaks - breaks,
             after_graphs - graphs, callers)
 
@@ -104,7 +108,8 @@ def test_compiled_step_equals_generate_and_never_recompiles(kind: str, level: in
     assert manager.stats()["prefix_hit_tokens"] > 0, "the shared prefix was meant to be shared"
     assert breaks == 0 and counters()[0] == breaks_before, "the compiled step had a graph break"
     assert new_graphs == 0, "a step recompiled after warm-up"
-    assert callers and all(c.endswith("custom_ops.py") for c in callers), "a layer ran outside the compiled graph"
+    assert callers and all(c.endswith(("custom_ops.py", "cpu_step_attention.cpp")) for c in callers), \
+        "a layer ran outside the compiled graph"
 
 
 def test_compilation_happens_ahead_and_later_managers_reuse_it() -> None:
@@ -243,7 +248,7 @@ def test_a_decoder_computing_its_own_positions_compiles_once(monkeypatch) -> Non
     tokens, _, breaks, new_graphs, callers = serve_compiled(model, 1, monkeypatch)
     assert tokens == expected
     assert breaks == 0 and new_graphs == 0, "the compiled step recompiled after warm-up"
-    assert callers and all(c.endswith("custom_ops.py") for c in callers)
+    assert callers and all(c.endswith(("custom_ops.py", "cpu_step_attention.cpp")) for c in callers)
 
 
 def test_a_model_the_self_check_refuses_is_refused_before_compiling() -> None:

@@ -90,6 +90,15 @@ _library.define(
 )
 
 
+def _cpu_step_extension():
+    """cbcore._C when it carries the C++ CPU kernel of `step_attention` (a stale build may not), else None."""
+    try:
+        from .. import _C
+    except ImportError:
+        return None
+    return _C if hasattr(_C, "enter_cpu_step") else None
+
+
 def step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float,
                    sliding_window: Optional[int] = None, softcap: Optional[float] = None,
                    sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -107,6 +116,12 @@ def step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
 
 _library.impl("step_attention", step_attention, "CompositeExplicitAutograd")
+# On the CPU the op's kernel is C++ (csrc/attention/cpu_step_attention.cpp): inside a step whose context
+# cbcore.attention.paged_step entered it runs the kernels itself, ~60-80 us a layer less than this body; what it does
+# not take it hands back to this function.
+_step_extension = _cpu_step_extension()
+if _step_extension is not None:
+    _step_extension.set_python_step_attention(step_attention)
 
 
 @torch.library.register_fake("cbcore::step_attention")
