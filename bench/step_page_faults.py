@@ -1,5 +1,6 @@
 """Page faults per step: a workload stepped in a thread of its own (as the manager's loop thread steps it), with the
-minor page faults and time of every step, and the cache write's and decode kernel's time per layer.
+minor page faults and time of every step; with `--compile-level 0` (the eager step, whose attention calls the
+kernels from Python) also the cache write's and decode kernel's time per layer.
 
     python bench/step_page_faults.py [--workload W2] [--dtype float32] [--threads 2] [--compile-level 1]
     MALLOC_ARENA_MAX=1 MALLOC_TRIM_THRESHOLD_=1073741824 MALLOC_MMAP_THRESHOLD_=33554432 python bench/step_page_faults.py
@@ -62,7 +63,8 @@ def main() -> int:
     manager.warmup()
     engine = manager.engine
 
-    # Per layer: the cache write and the decode kernel, timed around the Python calls the step's attention makes.
+    # Per layer: the cache write and the decode kernel, timed around the Python calls the eager step's attention
+    # makes (the compiled step's op calls them from C++: csrc/attention/cpu_step_attention.cpp).
     layer_seconds: dict[str, list[float]] = collections.defaultdict(list)
     kernels = ops._cpu_kernels()
     for owner, name in ((ops, "cache_write"), (kernels, "decode_attention_planned")):
