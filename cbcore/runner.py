@@ -86,50 +86,67 @@ class ModelRunner:
 
     def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, StepMetadata, list[int], list[int]]:
         """Build input ids, positions, the step metadata, the emitting rows and the indices (in `plan.requests`) of
-        the requests they belong to."""
-        decode = [i for i, request in enumerate(plan.requests) if request.num_tokens == 1]
-        prefill = [i for i, request in enumerate(plan.requests) if request.num_tokens > 1]
-        order = decode + prefill
-        ordered = [plan.requests[i] for i in order]
+        the requests they belong to.
 
-        token_ids: list[int] = []
-        for request in ordered:
-            token_ids.extend(request.token_ids)
-        device = self.device
-        q_lens = torch.tensor([request.num_tokens for request in ordered], dtype=torch.long)
-        starts = torch.tensor([request.start for request in ordered], dtype=torch.long)
-        cu_q = torch.zeros(len(ordered) + 1, dtype=torch.long)
-        torch.cumsum(q_lens, 0, out=cu_q[1:])
-        num_tokens = int(cu_q[-1])
-
-        # Per token: which request it belongs to and its position in that request.
-        request_index = torch.repeat_interleave(torch.arange(len(ordered)), q_lens)
-        positions = starts[request_index] + torch.arange(num_tokens) - cu_q[request_index]
+        The per-token lists are built in Python and each becomes one tensor: a step's few hundred rows cost less so
+        than as a dozen small torch ops (a decode step of 16 requests: ~0.3 -> ~0.1 ms, ~5% of W3's bf16 step)."""
+        requests = plan.requests
+        decode = [i for i, request in enumerate(requests) if len(request.token_ids) == 1]
+        prefill = [i for i, request in enumerate(requests) if len(request.token_ids) > 1]
+        order = decode + prefill if prefill else decode
+        ordered = [requests[i] for i in order]
 
         page = self.cache.page_size
-        block_table = _block_table_tensor(ordered, torch.device("cpu"))
-        slots = block_table[request_index, positions // page].long() * page + positions % page
-        seq_lens = (starts + q_lens).to(torch.int32)
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []  # per token: its page's block * page size + its offset in the page
+        seq_lens: list[int] = []
+        cu_q = [0]
+        for request in ordered:
+            start, table = request.start, request.block_table
+            n = len(request.token_ids)
+            end = start + n
+            if n == 1:
+                token_ids.append(request.token_ids[0])
+                positions.append(start)
+                slots.append(table[start // page] * page + start % page)
+            else:
+                token_ids.extend(request.token_ids)
+                positions.extend(range(start, end))
+                position = start
+                while position < end:  # one run of slots per page the tokens reach
+                    index = position // page
+                    stop = min(end, (index + 1) * page)
+                    shift = (table[index] - index) * page
+                    slots.extend(range(position + shift, stop + shift))
+                    position = stop
+            seq_lens.append(end)
+            cu_q.append(cu_q[-1] + n)
 
+        device = self.device
         num_decode = len(decode)
+        block_table = _block_table_tensor(ordered, device)
+        seq_lens_tensor = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        positions_tensor = torch.tensor(positions, dtype=torch.long, device=device)
         step = StepMetadata(
             key_caches=self.cache.key_caches,
             value_caches=self.cache.value_caches,
-            slot_mapping=slots.to(device),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             num_decode_tokens=num_decode,
-            decode_block_table=block_table[:num_decode].to(device),
-            decode_seq_lens=seq_lens[:num_decode].to(device),
+            decode_block_table=block_table[:num_decode],
+            decode_seq_lens=seq_lens_tensor[:num_decode],
             num_prefill_requests=len(prefill),
-            prefill_block_table=block_table[num_decode:].to(device),
-            prefill_cu_seqlens_q=(cu_q[num_decode:] - num_decode).to(torch.int32).to(device),
-            prefill_seq_lens_k=seq_lens[num_decode:].to(device),
+            prefill_block_table=block_table[num_decode:],
+            prefill_cu_seqlens_q=torch.tensor([c - num_decode for c in cu_q[num_decode:]], dtype=torch.int32,
+                                              device=device),
+            prefill_seq_lens_k=seq_lens_tensor[num_decode:],
             kernel_mode=self.kernel_mode,
-            positions=positions.to(device),
+            positions=positions_tensor,
         )
         emitting = [i for i, request in enumerate(ordered) if request.emits_token]
-        emit_rows = [int(cu_q[i + 1]) - 1 for i in emitting]
+        emit_rows = [cu_q[i + 1] - 1 for i in emitting]
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=device)
-        return input_ids, positions.view(1, -1).to(device), step, emit_rows, [order[i] for i in emitting]
+        return input_ids, positions_tensor.view(1, -1), step, emit_rows, [order[i] for i in emitting]
 
     @torch.inference_mode()
     def forward(
