@@ -191,7 +191,8 @@ def profile_compiled(manager, workload, args) -> int:
 
     def prepare_and_classify(batch):
         this_step.append("prefill" if any(item.num_tokens > 1 for item in batch.requests) else "decode")
-        return prepare(batch)
+        with record_function("cbcore_prepare"):  # building the step's inputs: part of `host`, named in --top-ops
+            return prepare(batch)
 
     runner.prepare = prepare_and_classify
     workload.add_to_engine(engine, manager.default_eos_token_id)
@@ -234,6 +235,8 @@ def profile_compiled(manager, workload, args) -> int:
             totals[kind]["region"] += event.cpu_time_total
         elif event.name == "TorchDynamo Cache Lookup":
             totals[kind]["lookup"] += event.cpu_time_total
+        elif event.name == "cbcore_prepare":
+            totals[kind]["prepare"] += event.cpu_time_total
     generated = engine.stats()["generated_tokens"]
     lines = [
         f"# Where a {workload.name} step goes, compiled at level {args.compile_level} ({args.dtype}, "
@@ -260,6 +263,9 @@ def profile_compiled(manager, workload, args) -> int:
         cells = " | ".join(f"{parts[p] / counts[kind] / 1000:.2f} ({100 * parts[p] / t['step']:.0f}%)"
                            for p in COMPILED_PARTS)
         lines.append(f"| {kind} | {counts[kind]} | {step_us / 1000:.2f} | {cells} |")
+    prepares = ", ".join(f"{kind} {t['prepare'] / counts[kind] / 1000:.2f} ms" for kind, t in totals.items()
+                         if counts[kind])
+    lines += ["", f"Of `host`, building the step's inputs (`ModelRunner.prepare`) per step: {prepares}."]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.top_ops:

@@ -142,6 +142,14 @@ def _forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, position_id
 
 MODULE_GUARDS_ENV = "CBCORE_COMPILE_MODULE_GUARDS"
 
+# Dynamo's settings while the step is compiled ahead. The model's float attributes (each norm's epsilon, the
+# attention's scaling, the rotary embedding's attention_scaling) become constants of the graph, as its int and string
+# attributes already are: Dynamo otherwise makes each a graph input, converted to a tensor on every call (18 of them,
+# ~85 us of a W3 decode step of ~5.7 ms). Like every other module attribute they are covered by the structure
+# fingerprint (cbcore/structure_fingerprint.py), not by a guard: a changed epsilon is compiled again before the next
+# step. A graph compiled outside warm-up (a shape it did not cover) takes them as inputs again: slower, as exact.
+SPECIALIZED = {"specialize_float": True}
+
 
 @dataclass
 class _Compiled:
@@ -280,7 +288,7 @@ class StepForward:
                 input_ids = torch.randint(1, vocab_size, (1, num_tokens), device=device)
                 positions = torch.arange(num_tokens, device=device).view(1, -1)
                 rows = torch.arange(num_tokens - num_rows, num_tokens, device=device)
-                with attention.paged_step(attention.WarmupStep()):
+                with attention.paged_step(attention.WarmupStep()), torch._dynamo.config.patch(SPECIALIZED):
                     compiled.function(self.model, input_ids, positions, rows if self.takes_logits_to_keep else None)
             compiled.warmed = True
             compiled.fingerprint = fingerprint
