@@ -48,8 +48,9 @@ MAX_CACHED_PROCESSOR_LISTS = 1024
 
 def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
     """`scores.argmax(dim=-1)` on the CPU: the first maximum of each row (a NaN counts as the maximum), by
-    `cbcore._C.greedy_tokens` where it is built (contiguous float32 rows, AVX2 or AVX-512: torch's CPU argmax carries
-    an index through a scalar reduction, ~0.4 ms for 16 rows of a 49k vocabulary against ~0.05), else torch's."""
+    `cbcore._C.greedy_tokens` where it is built (contiguous float32 or bfloat16 rows, AVX2 or AVX-512: torch's CPU
+    argmax carries an index through a scalar reduction, ~0.4 ms for 16 rows of a 49k vocabulary against ~0.05), else
+    torch's."""
     kernel = _greedy_kernel()
     if kernel is not None and scores.device.type == "cpu" and scores.dim() == 2 and scores.shape[1] > 0:
         return kernel(scores)
@@ -160,11 +161,15 @@ class Sampler:
         for the sampler's shared one. Returns the tokens, their logprobs (None without `return_logprobs`) and, per
         row, the (token ids, logprobs) of its `top_logprobs` most likely tokens (None for a row that did not ask; the
         whole list None when no row did)."""
-        raw = logits.float()
-        scores = raw
         kwargs_per_row = request_kwargs or [{}] * len(histories)
         limits = max_new_tokens or [None] * len(histories)
-        if not self.switch.cleared and (self.has_processors or any(kwargs_per_row)):
+        processing = not self.switch.cleared and (self.has_processors or any(kwargs_per_row))
+        asking = [row for row, kwargs in enumerate(kwargs_per_row) if TOP_LOGPROBS_KWARG in kwargs]
+        # Greedy alone picks the same token from a bf16/fp16 row as from its fp32 widening (exact): no fp32 copy.
+        plain_greedy = not (processing or self.do_sample or self.return_logprobs or asking)
+        raw = logits if plain_greedy else logits.float()
+        scores = raw
+        if processing:
             rows = []
             for row, (history, prompt_length, kwargs) in enumerate(zip(histories, prompt_lengths, kwargs_per_row)):
                 processors = self.processors_for(prompt_length, limits[row], kwargs)
@@ -187,7 +192,6 @@ class Sampler:
             log_softmax = torch.log_softmax(scores, dim=-1).cpu()
             logprobs = log_softmax.gather(1, tokens.view(-1, 1)).squeeze(1).tolist()
         top = None
-        asking = [row for row, kwargs in enumerate(kwargs_per_row) if TOP_LOGPROBS_KWARG in kwargs]
         if asking:
             top, raw_logprobs = self._model_logprobs(raw, tokens, asking, kwargs_per_row)
             if logprobs is not None:

@@ -198,7 +198,12 @@ def test_greedy_tokens_are_torch_argmax_ties_nans_and_infinities_included(vocab:
     assert greedy_tokens(strided).tolist() == strided.argmax(dim=-1).tolist()
     padded = torch.cat([scores, torch.zeros(12, 5)], dim=1)[:, :vocab]  # rows with a stride past their length
     assert greedy_tokens(padded).tolist() == padded.argmax(dim=-1).tolist()
-    half = scores.to(torch.bfloat16)
+    half = scores.to(torch.bfloat16)  # bf16 rows: the vector rows widen them in registers (more ties once rounded)
     assert greedy_tokens(half).tolist() == half.argmax(dim=-1).tolist()
+    half_padded = torch.cat([half, torch.zeros(12, 5, dtype=torch.bfloat16)], dim=1)[:, :vocab]
+    assert greedy_tokens(half_padded).tolist() == half_padded.argmax(dim=-1).tolist()
+    fp16 = scores.to(torch.float16)  # torch's argmax
+    assert greedy_tokens(fp16).tolist() == fp16.argmax(dim=-1).tolist()
     many = torch.randn(300, vocab, generator=generator)  # enough rows for several threads
     assert greedy_tokens(many).tolist() == many.argmax(dim=-1).tolist()
+    assert greedy_tokens(many.to(torch.bfloat16)).tolist() == many.to(torch.bfloat16).argmax(dim=-1).tolist()
