@@ -45,7 +45,8 @@ int64_t first_nan(const T* x, int64_t n) {
 __attribute__((target("avx512f"))) inline __m512 load16(const float* x, __mmask16 k, __m512 fill) {
   return _mm512_mask_loadu_ps(fill, k, x);
 }
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const at::BFloat16* x, __mmask16 k, __m512 fill) {
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const at::BFloat16* x, __mmask16 k,
+                                                                          __m512 fill) {
   const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, x)), 16);
   return _mm512_mask_mov_ps(fill, k, _mm512_castsi512_ps(wide));
 }
