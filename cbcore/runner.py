@@ -93,7 +93,7 @@ class ModelRunner:
         requests = plan.requests
         decode = [i for i, request in enumerate(requests) if len(request.token_ids) == 1]
         prefill = [i for i, request in enumerate(requests) if len(request.token_ids) > 1]
-        order = decode + prefill if prefill else decode
+        order = decode + prefill
         ordered = [requests[i] for i in order]
 
         page = self.cache.page_size
