@@ -94,6 +94,23 @@ def test_ratios_are_ratios_of_medians(three_rounds) -> None:
     assert three_rounds["cbcore_throughput_ratios"]["cbcore_over_generate"] == pytest.approx(4.0 / 1.6)
 
 
+def test_each_round_has_its_own_ratio_in_the_record_and_the_table(three_rounds) -> None:
+    # Round by round: walls 1 / 4, 2 / 8 and 4 / 5 s for the same tokens.
+    rounds = three_rounds["cbcore_throughput_ratios_by_round"]["cbcore_over_generate"]
+    assert rounds == pytest.approx([4.0, 4.0, 1.25])
+    assert "cbcore tok/s over: generate 2.50x (rounds 4.00 / 4.00 / 1.25)" in report.format_table(three_rounds)
+
+
+def test_a_cbcore_variant_gets_ratios_under_its_own_name() -> None:
+    workload = build_workload("W1", limit_requests=2, max_new_tokens=4)
+    tokens = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    results = [_raw("cbcore-compiled", 1, 1.0, tokens), _raw("vllm-2c", 1, 2.0, tokens)]
+    record = report.build_record(workload, "float32", ["cbcore-compiled", "vllm-2c"], results,
+                                 {"cpu": "cpu", "cores": 2}, "cmd", "/m", {"repeat": 1})
+    assert record["cbcore_throughput_ratios"] == {"cbcore-compiled_over_vllm-2c": pytest.approx(2.0)}
+    assert record["cbcore_throughput_ratios_by_round"] == {}  # one round: its ratio is the median's
+
+
 def test_table_has_one_row_per_peer_with_min_max_and_the_vllm_footnote(three_rounds) -> None:
     table = report.format_table(three_rounds)
     rows = [line for line in table.splitlines() if line.startswith("| cbcore generate_batch |")]

@@ -120,6 +120,13 @@ def aggregate(peer: str, runs: list[dict]) -> dict:
     return entry
 
 
+def _round_ratios(runs: list[dict], own: str, other: str) -> list[float]:
+    """tok/s of `own` over `other` in each round both ran in, in round order."""
+    rates = {(r["peer"], r["round"]): r["tok_per_s"] for r in runs if "tok_per_s" in r}
+    rounds = sorted({n for peer, n in rates if peer == own and (other, n) in rates})
+    return [rates[(own, n)] / rates[(other, n)] for n in rounds]
+
+
 def build_record(
     workload, dtype: str, peers: list[str], results: list[dict], machine: dict, command: str, model_path: str,
     settings: dict,
@@ -131,11 +138,18 @@ def build_record(
     runs = [run_metrics(r, reference_tokens) for r in results]
     entries = [aggregate(peer, [r for r in runs if r["peer"] == peer]) for peer in peers]
     by_name = {p["peer"]: p for p in entries if "tok_per_s" in p}
-    ratios = {}
-    if "cbcore" in by_name:
+    # Each cbcore peer's median tok/s over every other peer's (`cbcore_over_vllm-2c`; a cbcore variant's keys carry
+    # its name: `cbcore-compiled_over_vllm-2c`), and with several rounds each round's own ratio: the runs of one round
+    # ran minutes apart, so their spread says how far a drifting machine moved the median.
+    ratios, by_round = {}, {}
+    for own in [name for name in by_name if name.startswith("cbcore")]:
         for name, metrics in by_name.items():
-            if name != "cbcore":
-                ratios[f"cbcore_over_{name}"] = by_name["cbcore"]["tok_per_s"] / metrics["tok_per_s"]
+            if not name.startswith("cbcore"):
+                key = f"{own}_over_{name}"
+                ratios[key] = by_name[own]["tok_per_s"] / metrics["tok_per_s"]
+                per_round = _round_ratios(runs, own, name)
+                if len(per_round) > 1:
+                    by_round[key] = per_round
     return {
         "command": command,
         "machine": machine,
@@ -145,6 +159,7 @@ def build_record(
         "peers": entries,
         "runs": [r for r in runs if "skipped" not in r],
         "cbcore_throughput_ratios": ratios,
+        "cbcore_throughput_ratios_by_round": by_round,
         "definitions": __doc__.split("Definitions", 1)[1].strip(),
     }
 
@@ -198,9 +213,14 @@ def format_table(record: dict) -> str:
         )
     else:
         notes.append("One run per peer.")
-    if record["cbcore_throughput_ratios"]:
-        ratios = record["cbcore_throughput_ratios"].items()
-        notes.append("cbcore tok/s over: " + ", ".join(f"{k.removeprefix('cbcore_over_')} {v:.2f}x" for k, v in ratios))
+    ratios, by_round = record["cbcore_throughput_ratios"], record.get("cbcore_throughput_ratios_by_round", {})
+    for own in dict.fromkeys(key.split("_over_")[0] for key in ratios):
+        cells = []
+        for key, value in ratios.items():
+            if key.split("_over_")[0] == own:
+                rounds = " / ".join(f"{x:.2f}" for x in by_round.get(key, []))
+                cells.append(f"{key.split('_over_')[1]} {value:.2f}x" + (f" (rounds {rounds})" if rounds else ""))
+        notes.append(f"{own} tok/s over: " + ", ".join(cells))
     for p in record["peers"]:
         if p.get("compile_s") is not None:
             notes.append(f"{p['peer']}: compiled ahead (level {p.get('compile_level')}) in {p['compile_s']:.0f} s "
