@@ -15,7 +15,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from transformers.generation.configuration_utils import CompileConfig
 
 import cbcore
-from cbcore import _C, attention
+from cbcore import _C, attention, compiled_step
 from cbcore.compiled_step import COMPILE_ENV, compile_seconds, default_compile_config, resolve_compile_configs
 from conftest import VOCAB, collect_outputs, greedy_config, random_prompts, reference_tokens, run_engine, tiny_model
 
@@ -124,6 +124,42 @@ def test_compilation_happens_ahead_and_later_managers_reuse_it() -> None:
     prompts = random_prompts([5, 12], seed=3)
     outputs, second = run_engine(model, prompts, greedy_config(4), config)  # a new manager, as generate_batch makes
     assert counters()[1] == graphs, "a second manager of the same model compiled again"
+    assert [o.generated_tokens for o in outputs.values()] == [reference_tokens(model, p, greedy_config(4))
+                                                            for p in prompts]
+
+
+def test_a_later_managers_warmup_evaluates_the_guards_and_runs_no_forward(monkeypatch) -> None:
+    """generate_batch builds a manager per call: once the graphs exist, its warm-up only checks that their guards
+    still hold for each shape. Where they do not, or where this torch cannot say, the forward runs (and compiles)."""
+    model = copy.deepcopy(tiny_model("llama_gqa"))
+    config = cbcore.ContinuousBatchingConfig(default_compile_level=1, page_size=8)
+    first = cbcore.ContinuousBatchingManager(model, greedy_config(4), config)
+    first.warmup()
+    first.destroy()
+    forwards = []
+    for compiled in compiled_step._compiled[model].values():  # count the compiled functions' calls from here on
+        function = compiled.function
+        compiled.function = lambda *args, function=function: forwards.append(1) or function(*args)
+    second = cbcore.ContinuousBatchingManager(model, greedy_config(4), config)
+    second.warmup()
+    assert not forwards, "the graphs' guards hold: no forward was needed"
+    compiled = next(iter(compiled_step._compiled[model].values()))
+    with torch.inference_mode(), attention.paged_step(attention.WarmupStep()), \
+            torch._dynamo.config.patch(compiled_step.SPECIALIZED):
+        ids, positions, rows = torch.tensor([[3, 4]]), torch.arange(2).view(1, -1), torch.arange(1, 2)
+        assert compiled_step._guards_hold(compiled.code, (model, ids, positions, rows))
+        # Another dtype of input_ids: no graph takes it (a real guard was evaluated, not a constant answer).
+        assert not compiled_step._guards_hold(compiled.code, (model, ids.to(torch.int32), positions, rows))
+    second.destroy()
+    monkeypatch.setattr(compiled_step, "_guards_hold", lambda code, arguments: False)  # a torch without the API
+    third = cbcore.ContinuousBatchingManager(model, greedy_config(4), config)
+    third.warmup()
+    assert len(forwards) == 8, "without the guards' answer the warm-up runs every shape's forward, as before"
+    third.destroy()
+    _, graphs = counters()
+    prompts = random_prompts([5, 12], seed=4)
+    outputs, _ = run_engine(model, prompts, greedy_config(4), config)
+    assert counters()[1] == graphs, "a step compiled after a warm-up that ran no forward"
     assert [o.generated_tokens for o in outputs.values()] == [reference_tokens(model, p, greedy_config(4))
                                                             for p in prompts]
 
