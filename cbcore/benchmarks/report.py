@@ -4,8 +4,9 @@ Definitions (every peer's times are seconds since its own `t0`, taken just befor
     generated tok/s   generated tokens / wall time
     TTFT              per request, the time of its first token (all requests are submitted at t0)
     ITL               every gap between two consecutive tokens of one request, pooled over requests
-    peak memory       the largest RSS of the peer's process tree, sampled every 20 ms over its whole life
-                      (model load included; for vLLM its engine and worker processes are included)
+    peak memory       the largest RSS of the peer's process tree, sampled every 20 ms over its whole life (model
+                      load included; for vLLM its engine and worker processes are included; the tree listed every
+                      0.5 s)
     prefilled tokens  prompt tokens run through the model (padding and recomputation included; prefix-cache hits
                       not)
     agree             requests whose greedy tokens equal `model.generate` one prompt at a time (the reference peer's
