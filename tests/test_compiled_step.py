@@ -151,17 +151,18 @@ def test_a_later_managers_warmup_evaluates_the_guards_and_runs_no_forward(monkey
         # Another dtype of input_ids: no graph takes it (a real guard was evaluated, not a constant answer).
         assert not compiled_step._guards_hold(compiled.code, (model, ids.to(torch.int32), positions, rows))
     second.destroy()
+    _, graphs = counters()
+    prompts = random_prompts([5, 12], seed=4)
+    outputs, _ = run_engine(model, prompts, greedy_config(4), config)  # its warm-up, too, only checks the guards
+    assert counters()[1] == graphs, "a step compiled after a warm-up that ran no forward"
+    assert [o.generated_tokens for o in outputs.values()] == [reference_tokens(model, p, greedy_config(4))
+                                                            for p in prompts]
+    forwards.clear()
     monkeypatch.setattr(compiled_step, "_guards_hold", lambda code, arguments: False)  # a torch without the API
     third = cbcore.ContinuousBatchingManager(model, greedy_config(4), config)
     third.warmup()
     assert len(forwards) == 8, "without the guards' answer the warm-up runs every shape's forward, as before"
     third.destroy()
-    _, graphs = counters()
-    prompts = random_prompts([5, 12], seed=4)
-    outputs, _ = run_engine(model, prompts, greedy_config(4), config)
-    assert counters()[1] == graphs, "a step compiled after a warm-up that ran no forward"
-    assert [o.generated_tokens for o in outputs.values()] == [reference_tokens(model, p, greedy_config(4))
-                                                            for p in prompts]
 
 
 def test_weights_changed_during_a_pause_reach_the_compiled_step() -> None:
