@@ -49,7 +49,8 @@ by the op: it keeps the source tensors with their `_version` counters and reorde
 replaced by other tensors, or given other storage, are seen when the engine looks for weight changes (when its loop
 starts and when a pause is released: `PackedLinears.refresh`), and when a parked copy is taken back. Memory: the
 packed copy costs one more copy of the linear weights while a manager runs, and, parked, between managers (two where
-a weight has both the skinny matmul's panels and oneDNN's copy: bf16 without AMX, fp32 with it).
+a weight has both the skinny matmul's panels and oneDNN's copy: bf16 without AMX, fp32 where AVX-512 is full width,
+as on AMX's Xeons and a server Zen 5).
 
 Numerics: oneDNN sums in a different order than MKL, as any change of batch shape already does; greedy parity with
 `model.generate` is tested with it on. `CBCORE_PACKED_LINEAR=0` turns packing off (read at attach), and
@@ -114,10 +115,16 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 # The most rows a call runs on the skinny matmul when oneDNN's copy is there too. bf16 on a CPU without AMX: at 64
 # rows the skinny matmul was 1.1x oneDNN on a W4-shaped step on a Zen 4, at 128 0.94x.
 SKINNY_MAX_ROWS_BF16 = 64
-# fp32 on a CPU with AMX tiles (which also has two 512-bit FMA units a core): on a Xeon with AMX the skinny matmul
-# ran a step's linears in 0.72-0.89x oneDNN's time at 8-32 rows, 0.93-1.01x at 64, 1.07-1.15x at 128 and 1.32x at
-# 512 (bench/linear_crossover.py, bench/results/linear_crossover_xeon_amx.md).
-SKINNY_MAX_ROWS_FP32_AMX = 64
+# fp32 on a CPU with two full 512-bit FMA units a core (a Xeon with AMX, a server or desktop Zen 5): on a Xeon with
+# AMX the skinny matmul ran a step's linears in 0.72-0.89x oneDNN's time at 8-32 rows, 0.93-1.01x at 64, 1.07-1.15x
+# at 128 and 1.32x at 512 (bench/linear_crossover.py, bench/results/linear_crossover_xeon_amx.md); on a Zen 5 (EPYC
+# 9005) in 0.85-0.95x at 8-64 rows, 1.04x at 96, 1.07-1.12x at 128, 1.16x at 512 and 1.22x at 2048
+# (bench/results/linear_crossover_zen5.md).
+SKINNY_MAX_ROWS_FP32_WIDE = 64
+# bf16 on a Zen 5 with full-width AVX-512 (no AMX): the skinny matmul's vdpbf16ps ran a W2-shaped step's linears in
+# 0.77-0.92x oneDNN's time at 8-64 rows, 0.99x at 128, 1.26x at 256 and 1.39x at 512; up to 128 rows also spares
+# oneDNN's primitive per new row count (see the AMX limit below).
+SKINNY_MAX_ROWS_BF16_WIDE = 128
 # bf16 on a CPU with AMX tiles, where the skinny matmul runs them too (K a multiple of AMX_DEPTH): on a Xeon with AMX,
 # with its 2 x 2 tile blocks, it ran a W2-shaped step's linears in 0.6-0.73x oneDNN's time at 1-32 rows, 0.85-0.93x
 # at 64, 0.92-1.06x at 96-128 and 1.07-1.09x at 192-256; a W4-shaped step's in 0.74-0.8x up to 32 rows, 0.96-1.04x
@@ -139,6 +146,15 @@ def cpu_has_amx() -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=None)
+def cpu_full_width_avx512() -> bool:
+    """Whether this CPU runs AVX-512 on two full 512-bit FMA units a core (a Xeon with AMX; AMD's server and desktop
+    Zen 5, told by CPUID's family and model), where oneDNN's fp32 matmul overtakes the skinny one on many rows. A Zen 4
+    or a mobile Zen 5 splits each 512-bit FMA in two. False without the extension or on a build that predates it."""
+    ext = _extension()
+    return bool(ext.cpu_full_width_avx512()) if ext is not None and hasattr(ext, "cpu_full_width_avx512") else False
+
+
 def linear_backends(dtype: torch.dtype, in_features: int | None = None) -> tuple[bool, int]:
     """Where this CPU runs a packed weight of `dtype`: `(skinny, skinny_max_rows)` for `_C.register_packed_linear`.
     `skinny`: packed for cbcore's skinny matmul (where the CPU runs it for the dtype), else for oneDNN alone;
@@ -148,21 +164,23 @@ def linear_backends(dtype: torch.dtype, in_features: int | None = None) -> tuple
     - AMX: bf16 on the skinny matmul's AMX tiles up to SKINNY_MAX_ROWS_BF16_AMX rows and oneDNN's copy above, where
       the skinny matmul runs AMX tiles for `in_features` (None: any K they take); else on oneDNN alone (on its AMX
       tiles it ran a step's linears 0.96-1.2x as fast as the skinny matmul's vdpbf16ps at 1-8 rows, 1.3-1.5x at 16,
-      3.5-4x at 64, 6.8x at 512); fp32 on the skinny matmul up to SKINNY_MAX_ROWS_FP32_AMX
-      rows, where it streams a decode step's weights as fast or faster, and on oneDNN's copy above (1.07-1.15x at
-      128 rows, 1.32x at 512: two FMA units a core favour oneDNN's larger register tiles).
+      3.5-4x at 64, 6.8x at 512).
+    - Full-width AVX-512 (AMX's Xeons, a server or desktop Zen 5): fp32 on the skinny matmul up to
+      SKINNY_MAX_ROWS_FP32_WIDE rows, where it streams a decode step's weights as fast or faster, and on oneDNN's copy
+      above (1.07-1.22x at 128-2048 rows: two full FMA units a core favour oneDNN's larger register tiles); bf16
+      without AMX on the skinny matmul up to SKINNY_MAX_ROWS_BF16_WIDE rows and oneDNN's copy above.
     - Otherwise (a Zen 4, an AVX2 CPU): fp32 on the skinny matmul alone (one copy: on a prefill's rows it reached
       0.9-1.04x oneDNN on wide projections), bf16 on the skinny matmul up to SKINNY_MAX_ROWS_BF16 rows and on
       oneDNN's copy above, where oneDNN packs bf16.
     """
     if not (env_switch(SKINNY_GEMM_ENV) and _extension().skinny_available(dtype)):
         return False, -1
-    if cpu_has_amx():
-        if dtype == torch.bfloat16:
-            amx_tiles = (_extension().skinny_isa(dtype) == "amx"
-                         and (in_features is None or in_features % AMX_DEPTH == 0))
-            return (True, SKINNY_MAX_ROWS_BF16_AMX) if amx_tiles else (False, -1)
-        return True, SKINNY_MAX_ROWS_FP32_AMX
+    if cpu_has_amx() and dtype == torch.bfloat16:
+        amx_tiles = (_extension().skinny_isa(dtype) == "amx"
+                     and (in_features is None or in_features % AMX_DEPTH == 0))
+        return (True, SKINNY_MAX_ROWS_BF16_AMX) if amx_tiles else (False, -1)
+    if cpu_has_amx() or cpu_full_width_avx512():
+        return (True, SKINNY_MAX_ROWS_FP32_WIDE) if dtype == torch.float32 else (True, SKINNY_MAX_ROWS_BF16_WIDE)
     if dtype == torch.bfloat16:
         return True, SKINNY_MAX_ROWS_BF16
     return True, -1

@@ -11,6 +11,7 @@ import torch
 from cbcore import linear
 from cbcore.linear import SKINNY_GEMM_ENV, PackedLinears, linear_backends, onednn_packs, packing_available
 from cbcore.attention import paged_step
+from cbcore.ops import cpu_isas
 
 _C = pytest.importorskip("cbcore._C")
 
@@ -112,13 +113,15 @@ def test_the_packed_linear_runs_the_skinny_matmul_where_the_cpu_has_it(monkeypat
         packed.detach()
 
 
-@pytest.mark.parametrize("amx", [False, True])
-def test_the_backends_follow_the_cpu(monkeypatch, amx) -> None:
+@pytest.mark.parametrize("amx,full_width", [(False, False), (False, True), (True, True)])
+def test_the_backends_follow_the_cpu(monkeypatch, amx, full_width) -> None:
     """With AMX, bf16 runs the skinny matmul's AMX tiles up to SKINNY_MAX_ROWS_BF16_AMX rows (where they run and
-    take K), else oneDNN alone, and fp32 the skinny matmul up to SKINNY_MAX_ROWS_FP32_AMX rows, oneDNN above;
-    without, fp32 the skinny matmul alone and bf16 the skinny matmul up to SKINNY_MAX_ROWS_BF16 rows;
+    take K), else oneDNN alone; with full-width AVX-512 (AMX's Xeons, a server Zen 5), fp32 runs the skinny matmul up
+    to SKINNY_MAX_ROWS_FP32_WIDE rows and oneDNN above, and bf16 without AMX up to SKINNY_MAX_ROWS_BF16_WIDE; on
+    other CPUs fp32 the skinny matmul alone and bf16 the skinny matmul up to SKINNY_MAX_ROWS_BF16 rows;
     CBCORE_SKINNY_GEMM=0 oneDNN alone."""
     monkeypatch.setattr(linear, "cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(linear, "cpu_full_width_avx512", lambda: full_width)
     for dtype in (torch.float32, torch.bfloat16):
         if not _available(dtype):
             assert linear_backends(dtype) == (False, -1)
@@ -128,13 +131,25 @@ def test_the_backends_follow_the_cpu(monkeypatch, amx) -> None:
             assert linear_backends(dtype, 96) == ((True, linear.SKINNY_MAX_ROWS_BF16_AMX) if amx_tiles else (False, -1))
             assert linear_backends(dtype, 100) == (False, -1)  # K not a multiple of 32: AMX's tiles do not take it
             expected = (True, linear.SKINNY_MAX_ROWS_BF16_AMX) if amx_tiles else (False, -1)
-        elif amx:
-            expected = (True, linear.SKINNY_MAX_ROWS_FP32_AMX)
+        elif full_width:
+            expected = (True, linear.SKINNY_MAX_ROWS_FP32_WIDE if dtype == torch.float32
+                        else linear.SKINNY_MAX_ROWS_BF16_WIDE)
         else:
             expected = (True, -1) if dtype == torch.float32 else (True, linear.SKINNY_MAX_ROWS_BF16)
         assert linear_backends(dtype) == expected
     monkeypatch.setenv(SKINNY_GEMM_ENV, "0")
     assert linear_backends(torch.float32) == linear_backends(torch.bfloat16) == (False, -1)
+
+
+def test_full_width_avx512_is_told_by_the_cpu() -> None:
+    """The extension's answer is a bool, and only a CPU with AVX-512 can say yes (its family and model, or AMX)."""
+    if not hasattr(_C, "cpu_full_width_avx512"):
+        pytest.skip("a build without cpu_full_width_avx512")
+    answer = _C.cpu_full_width_avx512()
+    assert isinstance(answer, bool)
+    assert linear.cpu_full_width_avx512() == answer
+    if answer:
+        assert any(isa.startswith("avx512") for isa in cpu_isas())
 
 
 @pytest.mark.skipif(not packing_available() or not _available(torch.float32), reason="no skinny matmul or oneDNN")

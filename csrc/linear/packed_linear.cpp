@@ -176,6 +176,9 @@ void register_packed_linear_bindings(pybind11::module_& m) {
         "Forget the packed weight of `handle` (and release its sources); unknown handles are ignored.");
   m.def("skinny_available", [](at::ScalarType dtype) { return skinny::available(dtype); }, pybind11::arg("dtype"),
         "Whether this CPU runs the skinny matmul (csrc/linear/skinny_gemm.cpp) for weights of `dtype`.");
+  m.def("cpu_full_width_avx512", &skinny::full_width_avx512,
+        "Whether this CPU runs AVX-512 on two full 512-bit FMA units a core (a Xeon with AMX, AMD's desktop and "
+        "server Zen 5), so that oneDNN's matmul beats the skinny matmul on many fp32 rows.");
   m.def("skinny_isa", [](at::ScalarType dtype) { return skinny::isa(dtype); }, pybind11::arg("dtype"),
         "The instruction set the skinny matmul runs for `dtype` now: 'amx' (bf16: AMX's tiles where K is a multiple "
         "of 32, AVX-512's otherwise), 'avx512', 'avx2' or 'none'.");

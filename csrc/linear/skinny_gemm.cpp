@@ -35,6 +35,9 @@
 // Zen 3 and Zen 4 both issue two 256-bit FMAs a cycle (Zen 4 splits a 512-bit one), so on these CPUs AVX2's tiles
 // have the same FMA rate; AVX-512's are larger (fewer reloads of the weights from L2) and bf16's dot products
 // take half the instructions.
+// A server or desktop Zen 5 issues two full 512-bit FMAs a cycle: AVX-512's tiles run at up to twice Zen 4's rate
+// there (fp32: 350-390 GFLOP/s on two cores at 32-2048 rows of W2's step), where oneDNN's larger register tiles
+// overtake them past ~80 rows (bench/results/linear_crossover_zen5.md).
 #include "linear/skinny_gemm.h"
 
 #include <ATen/Parallel.h>
@@ -48,6 +51,7 @@
 
 #if defined(__x86_64__)
 #define CBCORE_SKINNY_X86 1
+#include <cpuid.h>
 #include <immintrin.h>
 #else
 #define CBCORE_SKINNY_X86 0
@@ -559,7 +563,25 @@ struct Cpu {
   bool avx512 = false;      // AVX-512 F/BW/VL/DQ
   bool avx512bf16 = false;  // and AVX512-BF16
   bool amx = false;         // and AMX's bf16 tiles, their state granted to this process
+  bool full_width = false;  // AVX-512 on two 512-bit FMA units a core (full_width_avx512() says which CPUs)
 };
+
+#if CBCORE_SKINNY_X86
+// AMD's full-width Zen 5 parts, from CPUID's family and model: family 1Ah, models 00h-1Fh (EPYC 9005, Zen 5 and
+// Zen 5c) and 40h-4Fh (Ryzen 9000). The mobile Zen 5 parts (models 20h-2Fh, 60h-6Fh) split a 512-bit FMA in two
+// like Zen 4, and CPUID has no bit for the width: a part not listed here counts as split, which only leaves its
+// large fp32 calls on the skinny matmul, as on Zen 4.
+bool amd_full_width_zen5() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return false;
+  const bool amd = ebx == 0x68747541 && edx == 0x69746e65 && ecx == 0x444d4163;  // "AuthenticAMD"
+  if (!amd || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
+  const unsigned base_family = (eax >> 8) & 0xf;
+  const unsigned family = base_family == 0xf ? base_family + ((eax >> 20) & 0xff) : base_family;
+  const unsigned model = ((eax >> 4) & 0xf) | (base_family == 0xf ? ((eax >> 16) & 0xf) << 4 : 0);
+  return family == 0x1a && (model < 0x20 || (model >= 0x40 && model < 0x50));
+}
+#endif
 
 const Cpu& cpu() {
   static const Cpu detected = [] {
@@ -575,6 +597,8 @@ const Cpu& cpu() {
 #if CBCORE_SKINNY_AMX
     c.amx = c.avx512bf16 && cpu::amx_tiles();
 #endif
+    // Every Xeon with AMX has two 512-bit FMA units a core.
+    c.full_width = c.avx512 && (c.amx || amd_full_width_zen5());
 #endif
     return c;
   }();
@@ -597,6 +621,8 @@ Isa isa_for(at::ScalarType dtype) {
 }  // namespace
 
 bool available(at::ScalarType dtype) { return isa_for(dtype) != Isa::none; }
+
+bool full_width_avx512() { return cpu().full_width; }
 
 std::string isa(at::ScalarType dtype) {
   switch (isa_for(dtype)) {

@@ -15,6 +15,11 @@ namespace skinny {
 // with AVX2 and FMA at least. False for every other dtype.
 bool available(at::ScalarType dtype);
 
+// Whether this CPU runs AVX-512 on two full 512-bit FMA units a core (a Xeon with AMX; AMD's desktop and server
+// Zen 5), rather than splitting a 512-bit FMA in two (Zen 4, mobile Zen 5) or having no AVX-512: oneDNN's larger
+// register tiles then beat the skinny matmul's on many rows in fp32 too (cbcore/linear.py, linear_backends).
+bool full_width_avx512();
+
 // The instruction set a call for `dtype` runs now: "amx" (bfloat16: AMX's bf16 tiles where K is a multiple of 32,
 // AVX-512's otherwise), "avx512" (float32: AVX-512F/BW/VL/DQ; bfloat16: and AVX512-BF16), "avx2" (AVX2 and FMA),
 // or "none".
