@@ -131,7 +131,8 @@ def _enter_cpu_step(step: Any):
         return None
     extension.enter_cpu_step(key_caches, value_caches, step.slot_mapping, step.num_decode_tokens,
                              step.decode_block_table, step.decode_seq_lens, step.num_prefill_requests,
-                             step.prefill_block_table, step.prefill_cu_seqlens_q, step.prefill_seq_lens_k)
+                             step.prefill_block_table, step.prefill_cu_seqlens_q, step.prefill_seq_lens_k,
+                             ops.cascade_enabled())
     return extension
 
 

@@ -243,10 +243,28 @@ def test_the_step_plans_cascade_for_a_w2_like_batch() -> None:
     assert_close(out, ops.decode_attention_reference(q, k, v, table, lens, 0.125))
 
 
-def test_engine_with_cascade_gives_model_generate_tokens(monkeypatch) -> None:
+def test_the_switch_turns_the_step_plans_cascade_off(monkeypatch) -> None:
+    """CBCORE_CASCADE_DECODE=0: the W2-like batch's step plan holds no group (every request attends its prefix
+    itself), with the same output; a value neither on nor off raises, naming the variable."""
+    generator = torch.Generator().manual_seed(5)
+    owns = torch.randint(16, 65, (64,), generator=generator).tolist()
+    q, k, v, table, lens = shared_prefix_batch([2], [owns], 256, kv_heads=4, heads=8)
+    monkeypatch.setenv(ops.CASCADE_ENV, "0")
+    plans = ops.StepKernelPlans()
+    assert plans.decode(table, lens, k, q.shape[1], -1).cascade_groups == []
+    out = torch.empty(64, 8, 64)
+    ops.decode_attention(q, k, v, table, lens, 0.125, mode="cpu", plans=plans, out=out)
+    assert_close(out, ops.decode_attention_reference(q, k, v, table, lens, 0.125))
+    monkeypatch.setenv(ops.CASCADE_ENV, "sometimes")
+    with pytest.raises(ValueError, match=ops.CASCADE_ENV):
+        ops.StepKernelPlans().decode(table, lens, k, q.shape[1], -1)
+
+
+@pytest.mark.parametrize("cascade", ["1", "0"], ids=["cascade", "plain"])
+def test_engine_with_cascade_gives_model_generate_tokens(monkeypatch, cascade) -> None:
     """Eight prompts sharing a 40-token prefix (five pages of 8, shared by prefix caching) and their own 3-10 tokens:
-    the decode steps cascade (recorded from the step plans), and every request's greedy tokens equal
-    `model.generate` on its prompt alone."""
+    the decode steps cascade (recorded from the step plans; none with CBCORE_CASCADE_DECODE=0), and every request's
+    greedy tokens equal `model.generate` on its prompt alone."""
     import cbcore
     from conftest import greedy_config, random_prompts, reference_tokens, run_engine, tiny_model
 
@@ -263,8 +281,12 @@ def test_engine_with_cascade_gives_model_generate_tokens(monkeypatch) -> None:
 
     monkeypatch.setattr(ops.StepKernelPlans, "decode", recording)
     monkeypatch.setenv("CBCORE_KERNELS", "cpu")
+    monkeypatch.setenv(ops.CASCADE_ENV, cascade)
     generation = greedy_config(8)
     outputs, _ = run_engine(model, prompts, generation, cbcore.ContinuousBatchingConfig(page_size=8))
-    assert any(groups and len(groups[0][0]) >= 4 and groups[0][1] == 40 for groups in seen), seen
+    if cascade == "1":
+        assert any(groups and len(groups[0][0]) >= 4 and groups[0][1] == 40 for groups in seen), seen
+    else:
+        assert seen and not any(seen), seen
     for prompt, output in zip(prompts, outputs.values()):
         assert output.generated_tokens == reference_tokens(model, prompt, generation)

@@ -49,6 +49,11 @@ the CPU has AVX512-BF16), `avx512`, `avx2`, else `generic`.
 `CBCORE_CPU_ISA=generic|avx2|avx512|avx512_bf16|avx512_amx` forces one (read once, when cbcore.ops first loads the
 kernels; ValueError naming the variable when this CPU or build lacks it); `auto` or unset: the best.
 
+Cascade decode (CPU): a decode plan groups the requests whose block tables start with the same blocks (prefix sharing)
+and attends each group's shared prefix once, as a matrix over all their queries (csrc/attention/cpu_attention.cpp,
+find_cascade_groups, says when a group pays). `CBCORE_CASCADE_DECODE=0` plans every request alone (the plain decode:
+for comparisons, or to rule the cascade out); read at every step's plan, ValueError for a value not on or off.
+
 `CBCORE_KERNELS=reference` runs the references everywhere. `cpu`, `cuda` and `triton` force one backend for the ops it
 implements (cpu: all three on CPU tensors; cuda: cache_write and decode on CUDA tensors; triton: prefill, on CUDA
 tensors or anywhere under TRITON_INTERPRET=1) and raise instead of falling back, so a test knows the kernel it meant
@@ -65,6 +70,7 @@ from typing import Callable
 
 import torch
 
+from ..switches import env_switch
 from .reference import (  # noqa: F401 - the references are part of this module's face (tests, benchmarks)
     cache_write_reference,
     cascade_decode_reference,
@@ -76,11 +82,18 @@ from .reference import (  # noqa: F401 - the references are part of this module'
 
 KERNELS_ENV = "CBCORE_KERNELS"
 CPU_ISA_ENV = "CBCORE_CPU_ISA"
+CASCADE_ENV = "CBCORE_CASCADE_DECODE"
 KERNEL_MODES = ("auto", "reference", "cpu", "cuda", "triton")
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (K, V) head dims cbcore._cuda's decode is compiled for (csrc/attention/cuda_decode_params.h): equal 64/128/256, and
 # multi-head latent attention's 192/128 (DeepSeek-V2/V3).
 _CUDA_DECODE_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256), (192, 128)})
+
+
+def cascade_enabled() -> bool:
+    """CBCORE_CASCADE_DECODE (default on): whether the C++ CPU decode plans attend shared block-table prefixes once
+    per group of requests (the cascade) instead of once per request."""
+    return env_switch(CASCADE_ENV)
 
 
 def kernel_mode() -> str:
@@ -174,7 +187,8 @@ class StepKernelPlans:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = _cpu_kernels().plan_decode(
-                block_table, seq_lens, k_cache.shape[0], k_cache.shape[1], k_cache.shape[2], heads, window)
+                block_table, seq_lens, k_cache.shape[0], k_cache.shape[1], k_cache.shape[2], heads, window,
+                cascade_enabled())
         return plan
 
     def prefill(self, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor,

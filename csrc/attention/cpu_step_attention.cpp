@@ -42,6 +42,7 @@ struct CpuStep {
   at::Tensor decode_block_table, decode_seq_lens;
   int64_t num_prefill_requests = 0;
   at::Tensor prefill_block_table, prefill_cu_seqlens_q, prefill_seq_lens_k;
+  bool cascade = true;  // the decode plans group requests that share leading blocks (cpu::plan_decode)
   std::vector<std::tuple<int64_t, int64_t, int64_t, cpu::DecodePlan>> decode_plans;  // window, heads, kv heads
   std::vector<std::tuple<int64_t, int64_t, int64_t, cpu::PrefillPlan>> prefill_plans;
 
@@ -51,7 +52,7 @@ struct CpuStep {
       if (w == window && h == heads && kv == kv_heads) return plan;
     decode_plans.emplace_back(window, heads, kv_heads,
                               cpu::plan_decode(decode_block_table, decode_seq_lens, k_cache.size(0), k_cache.size(1),
-                                               kv_heads, heads, window));
+                                               kv_heads, heads, window, cascade));
     return std::get<3>(decode_plans.back());
   }
 
@@ -155,7 +156,7 @@ at::Tensor step_attention_cpu(const at::Tensor& query, const at::Tensor& key, co
 void enter_cpu_step(std::vector<at::Tensor> key_caches, std::vector<at::Tensor> value_caches, at::Tensor slot_mapping,
                     int64_t num_decode_tokens, at::Tensor decode_block_table, at::Tensor decode_seq_lens,
                     int64_t num_prefill_requests, at::Tensor prefill_block_table, at::Tensor prefill_cu_seqlens_q,
-                    at::Tensor prefill_seq_lens_k) {
+                    at::Tensor prefill_seq_lens_k, bool cascade) {
   TORCH_CHECK_VALUE(key_caches.size() == value_caches.size(), "enter_cpu_step: ", key_caches.size(),
                     " key caches but ", value_caches.size(), " value caches");
   for (size_t i = 0; i < key_caches.size(); ++i) {
@@ -176,6 +177,7 @@ void enter_cpu_step(std::vector<at::Tensor> key_caches, std::vector<at::Tensor> 
   step.prefill_block_table = std::move(prefill_block_table);
   step.prefill_cu_seqlens_q = std::move(prefill_cu_seqlens_q);
   step.prefill_seq_lens_k = std::move(prefill_seq_lens_k);
+  step.cascade = cascade;
   current_step = std::move(step);
 }
 
@@ -185,9 +187,10 @@ void register_cpu_step_attention_bindings(py::module_& m) {
   m.def("enter_cpu_step", &enter_cpu_step, py::arg("key_caches"), py::arg("value_caches"), py::arg("slot_mapping"),
         py::arg("num_decode_tokens"), py::arg("decode_block_table"), py::arg("decode_seq_lens"),
         py::arg("num_prefill_requests"), py::arg("prefill_block_table"), py::arg("prefill_cu_seqlens_q"),
-        py::arg("prefill_seq_lens_k"),
+        py::arg("prefill_seq_lens_k"), py::arg("cascade") = true,
         "On this thread, until exit_cpu_step: cbcore::step_attention runs its C++ CPU kernel over this step (the "
-        "fields of cbcore.attention.StepMetadata), making the kernels' plans once, at the first layer.");
+        "fields of cbcore.attention.StepMetadata), making the kernels' plans once, at the first layer; cascade: the "
+        "decode plans attend block-table prefixes several requests share once (cbcore.ops.cascade_enabled).");
   m.def("enter_warmup_step", [] {
     current_step = CpuStep();
     current_step.warmup = true;
