@@ -192,3 +192,17 @@ def test_last_level_cache_is_the_largest_cache_linux_reports(tmp_path) -> None:
     (tmp_path / "index1").mkdir()  # no size file: skipped
     assert last_level_cache_bytes(tmp_path) == 480 * 2**20
     assert last_level_cache_bytes(tmp_path / "missing") is None
+
+
+def test_the_cpu_is_named_with_its_family_and_model(tmp_path) -> None:
+    """A VM's model name alone ("AMD EPYC") does not tell a Zen 4 (family 25) from a Zen 5 (family 26): the record
+    adds both numbers from the first processor's block; without them, or without the file, the name alone."""
+    from cbcore.benchmarks.machine import cpu_model
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
+                       "model name\t: AMD EPYC\n\nprocessor\t: 1\ncpu family\t: 25\nmodel\t\t: 17\n")
+    assert cpu_model(cpuinfo) == "AMD EPYC (family 26, model 2)"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Some CPU\n")
+    assert cpu_model(cpuinfo) == "Some CPU"
+    assert cpu_model(tmp_path / "missing")  # platform's answer, whatever it is

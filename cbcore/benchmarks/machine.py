@@ -7,15 +7,26 @@ import platform
 from pathlib import Path
 
 
-def cpu_model() -> str:
-    """The CPU's model name (from /proc/cpuinfo on Linux), else what `platform` knows."""
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's model name, with its family and model numbers where /proc/cpuinfo (`cpuinfo`) gives them ("AMD EPYC
+    (family 26, model 2)": a VM's name alone may not tell a Zen 4 from a Zen 5, whose full-width AVX-512 changes which
+    matmul runs, cbcore.linear.linear_backends), else what `platform` knows."""
+    fields: dict[str, str] = {}
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if not key:  # the first processor's block ends at the first blank line
+                break
+            fields.setdefault(key, value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    name = fields.get("model name")
+    if not name:
+        return platform.processor() or platform.machine()
+    if fields.get("cpu family", "").isdigit() and fields.get("model", "").isdigit():
+        return f"{name} (family {fields['cpu family']}, model {fields['model']})"
+    return name
 
 
 _SIZE_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
