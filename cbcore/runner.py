@@ -60,6 +60,7 @@ class ModelRunner:
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         # The kernel backend's mode, resolved once for this engine (ops.kernel_mode reads CBCORE_KERNELS).
         self.kernel_mode = ops.kernel_mode()
+        ops.cascade_enabled()  # read again at every step's plan; a typo in CBCORE_CASCADE_DECODE fails the build here
         self.step_forward = StepForward(model, self.takes_logits_to_keep, *compile_configs)
 
     def copy_blocks(self, copies: BlockCopies) -> None:

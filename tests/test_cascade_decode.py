@@ -260,6 +260,18 @@ def test_the_switch_turns_the_step_plans_cascade_off(monkeypatch) -> None:
         ops.StepKernelPlans().decode(table, lens, k, q.shape[1], -1)
 
 
+def test_a_bad_cascade_switch_fails_the_engine_build(monkeypatch) -> None:
+    """The switch is read at every step's plan; a value neither on nor off is refused when the engine is built,
+    before any request runs, not by every step."""
+    import cbcore
+    from conftest import greedy_config, tiny_model
+
+    monkeypatch.setenv(ops.CASCADE_ENV, "sometimes")
+    manager = cbcore.ContinuousBatchingManager(tiny_model("llama_gqa"), greedy_config(4))
+    with pytest.raises(ValueError, match=ops.CASCADE_ENV):
+        manager.warmup()
+
+
 @pytest.mark.parametrize("cascade", ["1", "0"], ids=["cascade", "plain"])
 def test_engine_with_cascade_gives_model_generate_tokens(monkeypatch, cascade) -> None:
     """Eight prompts sharing a 40-token prefix (five pages of 8, shared by prefix caching) and their own 3-10 tokens:
