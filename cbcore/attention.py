@@ -132,7 +132,7 @@ def _enter_cpu_step(step: Any):
     extension.enter_cpu_step(key_caches, value_caches, step.slot_mapping, step.num_decode_tokens,
                              step.decode_block_table, step.decode_seq_lens, step.num_prefill_requests,
                              step.prefill_block_table, step.prefill_cu_seqlens_q, step.prefill_seq_lens_k,
-                             ops.cascade_enabled())
+                             step.cascade_decode)
     return extension
 
 
@@ -182,11 +182,17 @@ class StepMetadata:
     prefill_seq_lens_k: torch.Tensor
     # The kernel mode (CBCORE_KERNELS) the engine resolved when it was built; every layer's op calls use it.
     kernel_mode: str = "auto"
+    # Whether the CPU decode plans cascade over shared prefixes (CBCORE_CASCADE_DECODE, resolved with kernel_mode).
+    cascade_decode: bool = True
     # Each packed token's position in its request, `[num_tokens]` (cbcore/positions.py hands it to decoders that
     # compute positions themselves).
     positions: torch.Tensor | None = None
     # The kernels' plans for this step, made by the first layer's calls and reused by the others (cbcore/ops).
-    kernel_plans: ops.StepKernelPlans = field(default_factory=ops.StepKernelPlans)
+    kernel_plans: ops.StepKernelPlans | None = None
+
+    def __post_init__(self) -> None:
+        if self.kernel_plans is None:
+            self.kernel_plans = ops.StepKernelPlans(self.cascade_decode)
 
 
 class WarmupStep:

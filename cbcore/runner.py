@@ -60,7 +60,8 @@ class ModelRunner:
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         # The kernel backend's mode, resolved once for this engine (ops.kernel_mode reads CBCORE_KERNELS).
         self.kernel_mode = ops.kernel_mode()
-        ops.cascade_enabled()  # read again at every step's plan; a typo in CBCORE_CASCADE_DECODE fails the build here
+        # Likewise the cascade switch (CBCORE_CASCADE_DECODE): a typo fails the engine's build, not every step.
+        self.cascade_decode = ops.cascade_enabled()
         self.step_forward = StepForward(model, self.takes_logits_to_keep, *compile_configs)
 
     def copy_blocks(self, copies: BlockCopies) -> None:
@@ -142,6 +143,7 @@ class ModelRunner:
                                               device=device),
             prefill_seq_lens_k=seq_lens_tensor[num_decode:],
             kernel_mode=self.kernel_mode,
+            cascade_decode=self.cascade_decode,
             positions=positions_tensor,
         )
         emitting = [i for i, request in enumerate(ordered) if request.emits_token]

@@ -52,7 +52,8 @@ kernels; ValueError naming the variable when this CPU or build lacks it); `auto`
 Cascade decode (CPU): a decode plan groups the requests whose block tables start with the same blocks (prefix sharing)
 and attends each group's shared prefix once, as a matrix over all their queries (csrc/attention/cpu_attention.cpp,
 find_cascade_groups, says when a group pays). `CBCORE_CASCADE_DECODE=0` plans every request alone (the plain decode:
-for comparisons, or to rule the cascade out); read at every step's plan, ValueError for a value not on or off.
+for comparisons, or to rule the cascade out); an engine reads it once, when it is built (as CBCORE_KERNELS), and a
+`StepKernelPlans` made without a value reads it then; ValueError for a value not on or off.
 
 `CBCORE_KERNELS=reference` runs the references everywhere. `cpu`, `cuda` and `triton` force one backend for the ops it
 implements (cpu: all three on CPU tensors; cuda: cache_write and decode on CUDA tensors; triton: prefill, on CUDA
@@ -177,8 +178,11 @@ def available_backends() -> dict[str, str | None]:
 class StepKernelPlans:
     """The CPU kernels' plans of one step: built on first use (the first layer), reused by every layer after it."""
 
-    def __init__(self) -> None:
+    def __init__(self, cascade: bool | None = None) -> None:
+        """`cascade`: whether the decode plans group requests sharing leading blocks (None: CBCORE_CASCADE_DECODE,
+        read now; an engine passes the value it resolved when it was built)."""
         self._plans: dict[tuple, object] = {}
+        self._cascade = cascade_enabled() if cascade is None else cascade
 
     def decode(self, block_table: torch.Tensor, seq_lens: torch.Tensor, k_cache: torch.Tensor, heads: int,
                window: int) -> object:
@@ -188,7 +192,7 @@ class StepKernelPlans:
         if plan is None:
             plan = self._plans[key] = _cpu_kernels().plan_decode(
                 block_table, seq_lens, k_cache.shape[0], k_cache.shape[1], k_cache.shape[2], heads, window,
-                cascade_enabled())
+                self._cascade)
         return plan
 
     def prefill(self, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor,
