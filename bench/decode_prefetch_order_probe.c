@@ -12,6 +12,13 @@
 //   4-row groups     four rows at a time, per kv head that head's 512 bytes of each of the four (a decode that
 //                    scores four keys across the heads before the next four), no software prefetch
 //   4-row + starts   4-row groups, and at each group the first four lines of each row of the next group
+//   rows 2 interl.   two rows at a time, their lines alternating (a weighted sum that adds two keys per store)
+//   rows 4 interl.   the same with four rows
+//   rows + address   rows, and beside each load one prefetch of the next tile's rows in address order
+//   rows 4h interl.  rows, but within a row four heads' lines alternating (scores of four heads at once)
+//   address /2, /4   address, prefetching only every second or fourth line of the stream
+//   address touch    address, with a 4-byte load of each line in place of its prefetch (a demand stream the L2's
+//                    own prefetcher may follow)
 //
 //   cc -O2 -march=x86-64-v4 bench/decode_prefetch_order_probe.c -o /tmp/probe && /tmp/probe [huge] [page tokens]
 //
@@ -42,7 +49,8 @@ static const char* row(const char* base, long t) {
 
 static __m512 add_line(__m512 acc, const char* p) { return _mm512_add_ps(acc, _mm512_loadu_ps((const float*)p)); }
 
-// The decode's order (variants 1-3): per tile, per kv head, the head's bytes of the tile's K rows, then V rows.
+// The decode's order (variants 1-3, 11-13): per tile, per kv head, the head's bytes of the tile's K rows, then its
+// V rows.
 static __m512 head_by_head(int variant, __m512 acc, long keys) {
   for (long t0 = 0; t0 < keys; t0 += kTile) {
     const long next = t0 + kTile < keys ? t0 + kTile : 0;
@@ -55,9 +63,17 @@ static __m512 head_by_head(int variant, __m512 acc, long keys) {
           for (int c = 0; c < kHeadBytes; c += 64) {
             acc = add_line(acc, r + c);
             if (variant == 2) _mm_prefetch(row(base, next + t) + h * kHeadBytes + c, _MM_HINT_T1);
-            if (variant == 3) {
-              const long r_ = line / (kRow / 64), l_ = line % (kRow / 64);
-              _mm_prefetch(row(r_ < kTile ? K : V, next + r_ % kTile) + l_ * 64, _MM_HINT_T1);
+            if (variant == 3 || variant >= 11) {
+              const int every = variant == 11 ? 2 : variant == 12 ? 4 : 1;
+              if (line % every == 0) {
+                const long r_ = line / (kRow / 64), l_ = line % (kRow / 64);
+                const char* ahead = row(r_ < kTile ? K : V, next + r_ % kTile) + l_ * 64;
+                if (variant == 13) {
+                  acc = _mm512_add_ps(acc, _mm512_castps128_ps512(_mm_load_ss((const float*)ahead)));
+                } else {
+                  _mm_prefetch(ahead, _MM_HINT_T1);
+                }
+              }
               ++line;
             }
           }
@@ -68,14 +84,32 @@ static __m512 head_by_head(int variant, __m512 acc, long keys) {
   return acc;
 }
 
-// Rows in address order (variants 4-6): per tile, K's rows then V's, whole rows or groups of four across the heads.
+// Rows in address order (variants 4-10): per tile, K's rows then V's, whole rows or groups of rows or heads.
 static __m512 row_major(int variant, __m512 acc, long keys) {
   for (long t0 = 0; t0 < keys; t0 += kTile) {
     for (int kv = 0; kv < 2; ++kv) {
       const char* base = kv ? V : K;
-      if (variant == 4) {
+      if (variant == 4 || variant == 9) {
+        const long next = t0 + kTile < keys ? t0 + kTile : 0;
         for (int t = 0; t < kTile; ++t)
-          for (int c = 0; c < kRow; c += 64) acc = add_line(acc, row(base, t0 + t) + c);
+          for (int c = 0; c < kRow; c += 64) {
+            acc = add_line(acc, row(base, t0 + t) + c);
+            if (variant == 9) _mm_prefetch(row(base, next + t) + c, _MM_HINT_T1);
+          }
+        continue;
+      }
+      if (variant == 7 || variant == 8) {
+        const int n = variant == 7 ? 2 : 4;
+        for (int t = 0; t < kTile; t += n)
+          for (int c = 0; c < kRow; c += 64)
+            for (int j = 0; j < n; ++j) acc = add_line(acc, row(base, t0 + t + j) + c);
+        continue;
+      }
+      if (variant == 10) {
+        for (int t = 0; t < kTile; ++t)
+          for (int h0 = 0; h0 < kHeads; h0 += 4)
+            for (int c = 0; c < kHeadBytes; c += 64)
+              for (int hh = 0; hh < 4; ++hh) acc = add_line(acc, row(base, t0 + t) + (h0 + hh) * kHeadBytes + c);
         continue;
       }
       for (int t = 0; t < kTile; t += kGroup) {
@@ -100,7 +134,7 @@ static __m512 pass(int variant, __m512 acc) {
     for (long c = 0; c < kRegion; c += 64) acc = add_line(acc, V + c);
     return acc;
   }
-  return variant <= 3 ? head_by_head(variant, acc, keys) : row_major(variant, acc, keys);
+  return variant <= 3 || variant >= 11 ? head_by_head(variant, acc, keys) : row_major(variant, acc, keys);
 }
 
 int main(int argc, char** argv) {
@@ -127,9 +161,11 @@ int main(int argc, char** argv) {
     perm[i] = perm[j];
     perm[j] = t;
   }
-  const char* names[] = {"sequential", "none", "head order", "address", "rows", "4-row groups", "4-row + starts"};
+  const char* names[] = {"sequential",     "none",          "head order",      "address",    "rows",
+                         "4-row groups",   "4-row + starts", "rows 2 interl.", "rows 4 interl.", "rows + address",
+                         "rows 4h interl.", "address /2",    "address /4",     "address touch"};
   __m512 acc = _mm512_setzero_ps();
-  for (int variant = 0; variant < 7; ++variant) {
+  for (int variant = 0; variant < 14; ++variant) {
     double best = 1e9;
     for (int rep = 0; rep < 5; ++rep) {
       const double t = now();
