@@ -21,7 +21,8 @@ packed-linear op, `attention` the per-layer step-attention op (cache write and k
 compiled graph (inductor's fused norms, RoPE, activations, residual adds), `dynamo` Dynamo's guard checks and graph
 entry, `host` the step's time outside the forward. The profiler costs a few microseconds per recorded op, so these
 steps run slightly slower than unprofiled ones. Writes `profile_<W>_<dtype>_compiled<N>.md`. `--top-ops N` also
-prints the N events of the decode steps with the most self CPU time (what the parts are made of).
+prints the N events of the decode steps (or, with `--top-ops-steps prefill`, the prefill steps) with the most self
+CPU time (what the parts are made of).
 """
 
 from __future__ import annotations
@@ -92,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-ops", type=int, default=0, metavar="N",
                         help="with --compile-level: also print the N events of the decode steps with the most self "
                         "CPU time (what the parts are made of)")
+    parser.add_argument("--top-ops-steps", default="decode", choices=("decode", "prefill"),
+                        help="the steps --top-ops looks at")
     parser.add_argument("--compile-level", type=int, default=0, choices=(0, 1, 2, 3),
                         help="compile the step's forward at this default_compile_level (parts from torch.profiler)")
     args = parser.parse_args(argv)
@@ -269,22 +272,23 @@ def profile_compiled(manager, workload, args) -> int:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.top_ops:
-        print(_top_ops(events, kind_at, counts["decode"], args.top_ops))
+        print(_top_ops(events, kind_at, args.top_ops_steps, counts[args.top_ops_steps], args.top_ops))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"profile_{workload.name}_{args.dtype}_compiled{args.compile_level}.md").write_text(text)
     return 0
 
 
-def _top_ops(events, kind_at, decode_steps: int, n: int) -> str:
-    """The n event names of the decode steps with the most self CPU time, in microseconds per step."""
+def _top_ops(events, kind_at, kind: str, steps: int, n: int) -> str:
+    """The n event names of the steps of `kind` (decode or prefill) with the most self CPU time, in microseconds per
+    step."""
     self_us, calls = collections.Counter(), collections.Counter()
     for event in events:
-        if kind_at(event.time_range.start) == "decode":
+        if kind_at(event.time_range.start) == kind:
             self_us[event.name] += event.self_cpu_time_total
             calls[event.name] += 1
     rows = ["| event | calls/step | self us/step |", "|---|---:|---:|"]
     for name, total in self_us.most_common(n):
-        rows.append(f"| {name[:90]} | {calls[name] / max(1, decode_steps):.1f} | {total / max(1, decode_steps):.0f} |")
+        rows.append(f"| {name[:90]} | {calls[name] / max(1, steps):.1f} | {total / max(1, steps):.0f} |")
     return "\n".join(rows) + "\n"
 
 
