@@ -261,8 +261,8 @@ def test_the_switch_turns_the_step_plans_cascade_off(monkeypatch) -> None:
 
 
 def test_a_bad_cascade_switch_fails_the_engine_build(monkeypatch) -> None:
-    """The switch is read at every step's plan; a value neither on nor off is refused when the engine is built,
-    before any request runs, not by every step."""
+    """The engine reads the switch once, when it is built (ModelRunner), and carries it on every step's metadata: a
+    value neither on nor off is refused then, before any request runs, not by every step."""
     import cbcore
     from conftest import greedy_config, tiny_model
 
