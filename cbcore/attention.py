@@ -188,11 +188,10 @@ class StepMetadata:
     # compute positions themselves).
     positions: torch.Tensor | None = None
     # The kernels' plans for this step, made by the first layer's calls and reused by the others (cbcore/ops).
-    kernel_plans: ops.StepKernelPlans | None = None
+    kernel_plans: ops.StepKernelPlans = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.kernel_plans is None:
-            self.kernel_plans = ops.StepKernelPlans(self.cascade_decode)
+        self.kernel_plans = ops.StepKernelPlans(self.cascade_decode)
 
 
 class WarmupStep:
