@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import types
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 from tqdm.auto import tqdm
@@ -36,7 +36,11 @@ class ContinuousMixin:
         continuous_batching_config: ContinuousBatchingConfig | None = None,
         workload_hints: WorkloadHints | None = None,
     ) -> ContinuousBatchingManager:
-        """A manager for this model (the cached one if `persistent_manager` kept one). Not started yet."""
+        """A manager for this model (the cached one if `persistent_manager` kept one). Not started yet. Arguments of
+        the wrong type raise TypeError, whether or not a cached manager is returned."""
+        request_inputs.manager_configs(
+            "init_continuous_batching", generation_config, continuous_batching_config, workload_hints
+        )
         cached = getattr(self, "_cached_continuous_batching_manager", None)
         if isinstance(cached, ContinuousBatchingManager):
             if not cached._destroyed:
@@ -58,7 +62,6 @@ class ContinuousMixin:
             del self._cached_continuous_batching_manager
         release_packed(self)
 
-    @contextmanager
     def continuous_batching_context_manager(
         self,
         generation_config: GenerationConfig | None = None,
@@ -68,21 +71,19 @@ class ContinuousMixin:
         persistent_manager: bool = False,
         warmup: bool = True,
         workload_hints: WorkloadHints | None = None,
-    ) -> Generator[ContinuousBatchingManager]:
+    ) -> AbstractContextManager[ContinuousBatchingManager]:
         """A started manager for the `with` block; stopped (and destroyed unless `persistent_manager`) on exit. With
         `block=False` the exit does not wait: the loop finishes the requests in flight with cbcore's attention, then
-        hands the model back and releases the cache by itself."""
-        manager = self.init_continuous_batching(generation_config, continuous_batching_config, workload_hints)
-        # `warmup` is accepted for transformers' signature: start() builds the engine and compiles the step ahead
-        # itself whenever warmup() has not, binding the model once for both (warmup() then start() would pack the
-        # linear weights twice, a tenth of a second per generate_batch on the default model).
-        manager.start()
-        try:
-            yield manager
-        finally:
-            manager.stop(block=block, timeout=timeout, keep_for_next_session=persistent_manager)
-            if not persistent_manager:
-                manager.destroy()
+        hands the model back and releases the cache by itself. The arguments are checked here, at the call (a `block`
+        refused only on exit would leave the manager running)."""
+        what = "continuous_batching_context_manager"
+        request_inputs.manager_configs(what, generation_config, continuous_batching_config, workload_hints)
+        block = request_inputs.flag(block, f"{what}: block")
+        timeout = request_inputs.timeout_seconds(timeout, f"{what}: timeout")
+        persistent_manager = request_inputs.flag(persistent_manager, f"{what}: persistent_manager")
+        request_inputs.flag(warmup, f"{what}: warmup")
+        return _serving_session(self, generation_config, block, timeout, continuous_batching_config,
+                                persistent_manager, workload_hints)
 
     @torch.no_grad()
     def generate_batch(
@@ -109,8 +110,13 @@ class ContinuousMixin:
         if kwargs:
             raise TypeError(f"generate_batch got unexpected keyword arguments {sorted(kwargs)}")
         # Checked before any manager is built: a None or a string among the prompts is named by its index.
-        inputs = request_inputs.batch_of_token_ids(inputs)
+        inputs = request_inputs.batch_of_token_ids(inputs, "generate_batch")
         max_new_tokens = request_inputs.max_new_tokens(max_new_tokens, "generate_batch: max_new_tokens")
+        request_inputs.manager_configs("generate_batch", generation_config, continuous_batching_config, None)
+        record_timestamps = request_inputs.flag(record_timestamps, "generate_batch: record_timestamps")
+        progress_bar = request_inputs.flag(progress_bar, "generate_batch: progress_bar")
+        persistent_manager = request_inputs.flag(persistent_manager, "generate_batch: persistent_manager")
+        warmup = request_inputs.flag(warmup, "generate_batch: warmup")
         if not inputs:
             return {}
         gen_config = self.generation_config if generation_config is None else generation_config
@@ -161,6 +167,30 @@ class ContinuousMixin:
         if failed:
             logger.error(f"Requests {failed} failed during generation.")
         return ordered
+
+
+@contextmanager
+def _serving_session(
+    model: torch.nn.Module,
+    generation_config: GenerationConfig | None,
+    block: bool,
+    timeout: float | None,
+    continuous_batching_config: ContinuousBatchingConfig | None,
+    persistent_manager: bool,
+    workload_hints: WorkloadHints | None,
+) -> Generator[ContinuousBatchingManager]:
+    """`continuous_batching_context_manager`'s `with` block, its arguments checked."""
+    manager = model.init_continuous_batching(generation_config, continuous_batching_config, workload_hints)
+    # `warmup` is accepted for transformers' signature: start() builds the engine and compiles the step ahead itself
+    # whenever warmup() has not, binding the model once for both (warmup() then start() would pack the linear weights
+    # twice, a tenth of a second per generate_batch on the default model).
+    manager.start()
+    try:
+        yield manager
+    finally:
+        manager.stop(block=block, timeout=timeout, keep_for_next_session=persistent_manager)
+        if not persistent_manager:
+            manager.destroy()
 
 
 _ENTRY_POINTS = (

@@ -1,15 +1,19 @@
-"""Checking and normalising the arguments of `add_request` / `add_requests` / `generate_batch`, on the caller's thread.
+"""Checking and normalising the arguments of the manager's and the mixin's public methods, on the caller's thread.
 
 What can be checked without the engine is checked here, before anything is queued, and raised at once with the
-argument named: `TypeError` for a wrong type, `ValueError` for a value out of range. The loop thread then only sees
-plain Python ints and lists, so nothing it reads can raise an incidental error there (a string in `max_new_tokens`
-used to crash the whole loop).
+method and the argument named: `TypeError` for a wrong type, `ValueError` for a value out of range. The loop thread
+then only sees plain Python ints, strs and lists, so nothing it reads can raise an incidental error there (a string
+in `max_new_tokens`, or an int handed to `cancel_request`, used to crash the whole loop).
 
 Accepted, as `model.generate` accepts them:
 - token ids: a list/tuple of ints (numpy integers and 0-d integer tensors included), or a 1-D integer tensor or
   numpy array; for a batch, a list of those or a 2-D integer tensor / array;
 - `max_new_tokens`: an int >= 1 (or None for the generation config's);
-- `eos_token_id`: an int, a list of ints, or an integer tensor (or None for the default).
+- `eos_token_id`: an int, a list of ints, or an integer tensor (or None for the default);
+- a request id given back to the manager (`cancel_request`, `get_result`, ...): a str, as `add_request` returned it;
+- flags (`streaming`, `block`, `hard_stop`, ...): True or False, never read by truthiness (`block=None` or a tensor
+  would otherwise pass or raise by accident);
+- timeouts: None (no limit) or a finite number of seconds >= 0.
 
 What depends on the engine (the prompt against the cache's capacity or the model's position table) and what is the
 prompt's own content (empty, ids outside the vocabulary) is checked by the loop and fails that request alone with a
@@ -24,6 +28,9 @@ import operator
 from typing import Any
 
 import torch
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig as _TransformersCBConfig
+from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from .sampling import (
     IGNORED_KWARGS,
@@ -96,19 +103,21 @@ def token_ids(value: Any, what: str) -> list[int]:
     return ids
 
 
-def batch_of_token_ids(inputs: Any) -> list[list[int]]:
-    """A batch of prompts (`add_requests`, `generate_batch`) as lists of ints; errors name the prompt's index."""
+def batch_of_token_ids(inputs: Any, method: str) -> list[list[int]]:
+    """A batch of prompts (`add_requests`, `generate_batch`: `method`) as lists of ints; errors name the method and
+    the prompt's index."""
     if isinstance(inputs, torch.Tensor) or _is_integer_array(inputs):
         if inputs.ndim != 2:
-            raise TypeError(f"inputs must be a 2-D tensor/array of token ids for a batch, got {inputs.ndim}-D")
-        return [token_ids(row, f"inputs[{index}]") for index, row in enumerate(inputs)]
+            raise TypeError(f"{method}: inputs must be a 2-D tensor/array of token ids for a batch, got {inputs.ndim}-D")
+        return [token_ids(row, f"{method}: inputs[{index}]") for index, row in enumerate(inputs)]
     if isinstance(inputs, (str, bytes)) or not isinstance(inputs, (list, tuple)):
-        raise TypeError(f"inputs must be a list of prompts (each a list of token ids), got {type(inputs).__name__}")
+        raise TypeError(f"{method}: inputs must be a list of prompts (each a list of token ids), got {_shown(inputs)}")
     if inputs and all(_as_int(item) is not None for item in inputs):
         raise TypeError(
-            "inputs is a flat list of ints, but a list of prompts is expected: wrap one prompt in a list ([ids])"
+            f"{method}: inputs is a flat list of ints, but a list of prompts is expected: wrap one prompt in a list "
+            "([ids])"
         )
-    return [token_ids(prompt, f"inputs[{index}]") for index, prompt in enumerate(inputs)]
+    return [token_ids(prompt, f"{method}: inputs[{index}]") for index, prompt in enumerate(inputs)]
 
 
 def max_new_tokens(value: Any, what: str) -> int | None:
@@ -143,13 +152,13 @@ def eos_token_id(value: Any, what: str) -> int | list[int] | None:
 
 
 def request_id(value: Any) -> str | None:
-    """None (an id is generated) or a non-empty str."""
+    """`add_request`'s `request_id`: None (an id is generated) or a non-empty str."""
     if value is None:
         return None
     if not isinstance(value, str):
-        raise TypeError(f"request_id must be a str (or None for an automatic id), got {type(value).__name__}: {value!r}")
+        raise TypeError(f"add_request: request_id must be a str (or None for an automatic id), got {_shown(value)}")
     if not value:
-        raise ValueError("request_id must not be empty")
+        raise ValueError("add_request: request_id must not be empty")
     return value
 
 
@@ -193,3 +202,70 @@ def processor_kwargs(kwargs: dict[str, Any], per_request_processors: bool, do_sa
     if not do_sample and any(key in kwargs for key in PER_REQUEST_KWARGS):
         raise ValueError(f"{what}: per-request temperature/top_k/top_p need do_sample=True in the GenerationConfig")
     return normalised
+
+
+def _shown(value: Any) -> str:
+    """`value` as an error message shows it: its type, and its repr cut short (a tensor's can be long)."""
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def known_request_id(value: Any, what: str) -> str:
+    """A request id handed back to the manager (`cancel_request`, `get_result`, `request_id_iter`,
+    `register_result_handler`): a str, as `add_request` returns it. Whether such a request exists is the method's
+    business (an unknown id is ignored or waited for); any other type is refused here, so that it never reaches the
+    loop thread (an int in the cancel queue used to kill the loop)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a request id (a str, as add_request returned it), got {_shown(value)}")
+    return value
+
+
+def flag(value: Any, what: str) -> bool:
+    """True or False (a numpy bool too); TypeError naming `what` otherwise. Not read by truthiness: `None`, `0`, a
+    string or a tensor is a mistake to report, not a value to guess."""
+    if isinstance(value, bool):
+        return value
+    if type(value).__name__ == "bool_" and type(value).__module__ == "numpy":
+        return bool(value)
+    raise TypeError(f"{what} must be True or False, got {_shown(value)}")
+
+
+def timeout_seconds(value: Any, what: str) -> float | None:
+    """None (no limit) or a finite number of seconds >= 0, as a float; TypeError / ValueError naming `what`
+    otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a number of seconds (or None for no limit), got {_shown(value)}")
+    try:
+        seconds = float(value)
+    except OverflowError:
+        seconds = math.inf
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"{what} must be a finite number of seconds >= 0 (or None for no limit), got {value!r}")
+    return seconds
+
+
+def manager_configs(
+    what: str,
+    generation_config: Any,
+    continuous_batching_config: Any,
+    workload_hints: Any,
+    generation_config_required: bool = False,
+) -> None:
+    """The configs a manager is built from, checked by type before anything reads them (a wrong one would otherwise
+    fail later with an AttributeError deep inside, or only at `start()`). None is allowed for each (the caller's
+    default applies) except `generation_config` when `generation_config_required`."""
+    if generation_config is None and generation_config_required:
+        raise TypeError(f"{what}: generation_config must be a GenerationConfig, got None")
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+        raise TypeError(f"{what}: generation_config must be a GenerationConfig (or None), got {_shown(generation_config)}")
+    if continuous_batching_config is not None and not isinstance(continuous_batching_config, _TransformersCBConfig):
+        raise TypeError(
+            f"{what}: continuous_batching_config must be a ContinuousBatchingConfig (cbcore's or transformers') or "
+            f"None, got {_shown(continuous_batching_config)}"
+        )
+    if workload_hints is not None and not isinstance(workload_hints, WorkloadHints):
+        raise TypeError(f"{what}: workload_hints must be a WorkloadHints (or None), got {_shown(workload_hints)}")

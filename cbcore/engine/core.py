@@ -163,7 +163,9 @@ class EngineCore:
 
     def abort(self, request_id: str) -> list[GenerationOutput]:
         """Cancel a request, or a child of a live request that was not forked yet (it is then never forked). An id
-        that is not live does nothing."""
+        that is not live does nothing, and so does one that is not a str (no request has it)."""
+        if not isinstance(request_id, str):
+            return []
         live = self.scheduler.live_requests()
         state = next((s for s in live if s.request_id == request_id), None)
         if state is not None:

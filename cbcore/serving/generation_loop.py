@@ -21,7 +21,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from ..requests import GenerationOutput, RequestStatus
+from ..requests import GenerationOutput, RequestState, RequestStatus
 
 logger = logging.getLogger("cbcore")
 
@@ -177,24 +177,41 @@ class GenerationLoop:
 
     def _take_new_requests(self) -> None:
         """Move every queued request into the engine (which checks its prompt), or end it CANCELLED when a cancel
-        marked it while it was queued."""
+        marked it while it was queued. `add_request` checked every field, so admitting one cannot raise; if it does
+        all the same, that request alone fails (nothing of it is in the scheduler yet), not the loop."""
         while True:
             try:
                 state = self.input_queue.get_nowait()
             except queue.Empty:
                 return
+            if not isinstance(state, RequestState):  # not from add_request: there is no request to end
+                logger.error(f"cbcore: dropped {type(state).__name__} found on the input queue: only add_request / "
+                             "add_requests queue requests")
+                continue
             if self._requests.take_in(state):
                 self._deliver(self.engine.end_unadmitted(state, RequestStatus.CANCELLED))
-            else:
-                self._deliver(self.engine.add_request(state))
+                continue
+            try:
+                outputs = self.engine.add_request(state)
+            except Exception as error:  # noqa: BLE001 - one request's admission must not end the loop
+                logger.exception(f"cbcore: admitting request {state.request_id} raised")
+                state.error = f"request {state.request_id}: admitting it raised {type(error).__name__}: {error}"
+                outputs = self.engine.end_unadmitted(state, RequestStatus.FAILED)
+            self._deliver(outputs)
 
     def _apply_cancellations(self) -> None:
-        """Abort every request whose cancel arrived after the loop had taken it in."""
+        """Abort every request whose cancel arrived after the loop had taken it in. `cancel_request` lets only str ids
+        through; anything else found here (put on the queue by other code) is dropped with a log line, never allowed
+        to end the loop and every request in flight with it."""
         while True:
             try:
                 request_id = self.cancel_queue.get_nowait()
             except queue.Empty:
                 return
+            if not isinstance(request_id, str):
+                logger.error(f"cbcore: dropped a cancel of {request_id!r} ({type(request_id).__name__}): request ids "
+                             "are strs, so no request has it")
+                continue
             self._deliver(self.engine.abort(request_id))
 
     def _end_all(self, reason: str) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import numbers
 import queue
 import threading
 import time
@@ -38,6 +39,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
+from .. import request_inputs
 from ..cache import PagedKVCache
 from ..config import ContinuousBatchingConfig, as_cbcore_config
 from ..distributed import join_group
@@ -79,6 +81,12 @@ class ContinuousBatchingManager(RequestSubmission, GenerationLoop):
         continuous_batching_config: ContinuousBatchingConfig | None = None,
         workload_hints: WorkloadHints | None = None,
     ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"ContinuousBatchingManager: model must be a torch.nn.Module, got {type(model).__name__}")
+        request_inputs.manager_configs(
+            "ContinuousBatchingManager", generation_config, continuous_batching_config, workload_hints,
+            generation_config_required=True,
+        )
         # Work on copies: the caller's configs are never mutated (transformers writes eos_token_id=-1 into them).
         self.generation_config = GenerationConfig.from_dict(generation_config.to_dict())
         self.continuous_batching_config = as_cbcore_config(continuous_batching_config)
@@ -138,8 +146,11 @@ class ContinuousBatchingManager(RequestSubmission, GenerationLoop):
         """Point the model's attention at cbcore's paged attention (handed back when the loop ends), building the
         engine first if needed. cbcore always uses its own paged kernels, so `auto_switch_to_flash` has no effect.
         Idempotent. Called by `start()`."""
+        request_inputs.flag(auto_switch_to_flash, "switch_to_cb_friendly_attn: auto_switch_to_flash")
         if model is not self.model:
-            raise ValueError("switch_to_cb_friendly_attn: this manager serves another model")
+            raise ValueError(
+                f"switch_to_cb_friendly_attn: model must be the model this manager serves, got {type(model).__name__}"
+            )
         if self.engine is None or self._engine_needs_rebuild:
             self._build_engine()
         self.engine.binding.attach()
@@ -299,7 +310,12 @@ class ContinuousBatchingManager(RequestSubmission, GenerationLoop):
 
         Under tensor parallelism the driver decides when the group's work is done: on another rank `stop()` waits for
         the driver's loop to end (which ends this rank's), while `stop(hard_stop=True)` on any rank stops the whole
-        group at once."""
+        group at once. An argument of the wrong type (a `block` other than True / False, a negative `timeout`, ...)
+        raises before anything is stopped."""
+        block = request_inputs.flag(block, "stop: block")
+        timeout = request_inputs.timeout_seconds(timeout, "stop: timeout")
+        keep_for_next_session = request_inputs.flag(keep_for_next_session, "stop: keep_for_next_session")
+        hard_stop = request_inputs.flag(hard_stop, "stop: hard_stop")
         if self._generation_thread is None:
             logger.warning("Manager not started.")
             return
@@ -324,7 +340,14 @@ class ContinuousBatchingManager(RequestSubmission, GenerationLoop):
 
     def join(self, stop_trigger_time: float | None = None, timeout: float | None = None) -> None:
         """Wait (up to `timeout` seconds) for the background thread to finish; once it has, the model is handed
-        back."""
+        back. `stop_trigger_time` (a `time.perf_counter()` reading) only dates the log line."""
+        if stop_trigger_time is not None and (isinstance(stop_trigger_time, bool)
+                                              or not isinstance(stop_trigger_time, numbers.Real)):
+            raise TypeError(
+                f"join: stop_trigger_time must be a time.perf_counter() reading (or None), got "
+                f"{type(stop_trigger_time).__name__}"
+            )
+        timeout = request_inputs.timeout_seconds(timeout, "join: timeout")
         thread = self._generation_thread
         if thread is None:
             return
@@ -365,6 +388,9 @@ class ContinuousBatchingManager(RequestSubmission, GenerationLoop):
         `callback(output)` on the running asyncio loop, through `call_soon_threadsafe`. Must be called from inside
         that loop. The handler is removed after the terminal output. Outputs exist on the tensor-parallel driver
         only: on another rank nothing is registered (no output would ever call it)."""
+        request_id = request_inputs.known_request_id(request_id, "register_result_handler: request_id")
+        if not callable(callback):
+            raise TypeError(f"register_result_handler: callback must be callable, got {type(callback).__name__}")
         if not self.is_tp_driver:
             return
         loop = asyncio.get_running_loop()
@@ -374,6 +400,9 @@ class ContinuousBatchingManager(RequestSubmission, GenerationLoop):
         """The next output (of `request_id` when given), waiting up to `timeout` seconds. None on timeout, or when
         the loop is not running and nothing is left to read. Unlike transformers, asking for one request never
         returns None just because another request's output came first."""
+        if request_id is not None:
+            request_id = request_inputs.known_request_id(request_id, "get_result: request_id")
+        timeout = request_inputs.timeout_seconds(timeout, "get_result: timeout")
         return self.output_router.get(request_id, timeout, self.is_running)
 
     def __iter__(self) -> Generator[GenerationOutput]:
@@ -384,7 +413,11 @@ class ContinuousBatchingManager(RequestSubmission, GenerationLoop):
                 yield result
 
     def request_id_iter(self, request_id: str) -> Generator[GenerationOutput]:
-        """Yield the outputs of one request (snapshots when streaming) until its terminal output."""
+        """Yield the outputs of one request (snapshots when streaming) until its terminal output. A `request_id` that
+        is not a str raises TypeError here, at the call, not at the first `next()`."""
+        return self._outputs_of(request_inputs.known_request_id(request_id, "request_id_iter: request_id"))
+
+    def _outputs_of(self, request_id: str) -> Generator[GenerationOutput]:
         while self.is_running() or not self.output_router.empty():
             result = self.get_result(request_id=request_id, timeout=0.1)
             if result is not None:

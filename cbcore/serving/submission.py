@@ -44,11 +44,11 @@ class RequestSubmission:
         see cbcore/scheduler.py).
 
         Raised here, before anything is queued, naming the argument: a wrong type (`TypeError`: token ids that are
-        not ints, `max_new_tokens="5"` or `2.5`, a non-str `request_id`), a value out of range (`ValueError`:
-        `max_new_tokens < 1`, a per-request temperature of 0), an id that is still in flight (`ValueError`: two live
-        requests with one id would be indistinguishable to anyone routing outputs by id), and a manager that does not
-        accept requests (`RuntimeError`: stopping, stopped, crashed or destroyed). Token ids may be a list of ints, or
-        a 1-D integer tensor or numpy array.
+        not ints, `max_new_tokens="5"` or `2.5`, a non-str `request_id`, a `streaming` or `record_timestamps` other
+        than True / False), a value out of range (`ValueError`: `max_new_tokens < 1`, a per-request temperature of 0),
+        an id that is still in flight (`ValueError`: two live requests with one id would be indistinguishable to
+        anyone routing outputs by id), and a manager that does not accept requests (`RuntimeError`: stopping, stopped,
+        crashed or destroyed). Token ids may be a list of ints, or a 1-D integer tensor or numpy array.
 
         Problems of the prompt itself (empty, ids outside the vocabulary, longer than the cache or the model's
         position table) end this request alone with a FAILED output naming it, so one bad prompt of a batch does not
@@ -65,8 +65,8 @@ class RequestSubmission:
             request_inputs.token_ids(input_ids, f"{label}: input_ids"),
             request_id,
             request_inputs.max_new_tokens(max_new_tokens, f"{label}: max_new_tokens"),
-            bool(streaming),
-            bool(record_timestamps),
+            request_inputs.flag(streaming, f"{label}: streaming"),
+            request_inputs.flag(record_timestamps, f"{label}: record_timestamps"),
             request_inputs.eos_token_id(eos_token_id, f"{label}: eos_token_id"),
             self._checked_processor_kwargs(logit_processor_kwargs, label),
         )
@@ -90,12 +90,14 @@ class RequestSubmission:
         prefix run one after another. On a tensor-parallel rank other than the driver: None, nothing queued."""
         if not self.is_tp_driver:
             return None
-        prompts = request_inputs.batch_of_token_ids(inputs)
+        prompts = request_inputs.batch_of_token_ids(inputs, "add_requests")
         max_new_tokens = request_inputs.max_new_tokens(max_new_tokens, "add_requests: max_new_tokens")
+        streaming = request_inputs.flag(streaming, "add_requests: streaming")
+        record_timestamps = request_inputs.flag(record_timestamps, "add_requests: record_timestamps")
         kwargs = self._checked_processor_kwargs(logit_processor_kwargs, "add_requests")
         eos = self.default_eos_token_id
         states = [
-            self._new_state(prompt, None, max_new_tokens, bool(streaming), bool(record_timestamps), eos, kwargs)
+            self._new_state(prompt, None, max_new_tokens, streaming, record_timestamps, eos, kwargs)
             for prompt in prompts
         ]
         with self._requests.lock:
@@ -118,7 +120,9 @@ class RequestSubmission:
         """Cancel a request, whether it is queued, waiting or running (a child `req_<n>__child#<i>` too, before or
         after its fork): its blocks are freed and it ends with one CANCELLED output (transformers sends none).
         Cancelling an id that already ended, or never existed, does nothing; so does any cancel on a tensor-parallel
-        rank other than the driver (the requests are the driver's)."""
+        rank other than the driver (the requests are the driver's). A `request_id` that is not a str raises TypeError
+        (on every rank): no request can have it, so it is a mistake in the caller's code."""
+        request_id = request_inputs.known_request_id(request_id, "cancel_request: request_id")
         if not self.is_tp_driver:
             return
         with self._requests.lock:
