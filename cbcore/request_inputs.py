@@ -108,7 +108,9 @@ def batch_of_token_ids(inputs: Any, method: str) -> list[list[int]]:
     the prompt's index."""
     if isinstance(inputs, torch.Tensor) or _is_integer_array(inputs):
         if inputs.ndim != 2:
-            raise TypeError(f"{method}: inputs must be a 2-D tensor/array of token ids for a batch, got {inputs.ndim}-D")
+            raise TypeError(
+                f"{method}: inputs must be a 2-D tensor/array of token ids for a batch, got {inputs.ndim}-D"
+            )
         return [token_ids(row, f"{method}: inputs[{index}]") for index, row in enumerate(inputs)]
     if isinstance(inputs, (str, bytes)) or not isinstance(inputs, (list, tuple)):
         raise TypeError(f"{method}: inputs must be a list of prompts (each a list of token ids), got {_shown(inputs)}")
@@ -261,7 +263,9 @@ def manager_configs(
     if generation_config is None and generation_config_required:
         raise TypeError(f"{what}: generation_config must be a GenerationConfig, got None")
     if generation_config is not None and not isinstance(generation_config, GenerationConfig):
-        raise TypeError(f"{what}: generation_config must be a GenerationConfig (or None), got {_shown(generation_config)}")
+        raise TypeError(
+            f"{what}: generation_config must be a GenerationConfig (or None), got {_shown(generation_config)}"
+        )
     if continuous_batching_config is not None and not isinstance(continuous_batching_config, _TransformersCBConfig):
         raise TypeError(
             f"{what}: continuous_batching_config must be a ContinuousBatchingConfig (cbcore's or transformers') or "
