@@ -33,6 +33,7 @@ httpx = pytest.importorskip("httpx")
 from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from cbcore.serving.server.detokenizer import IncrementalDetokenizer, StopMatcher  # noqa: E402
+from cbcore.serving.server.fields import CHAT, COMPLETIONS, FIELDS, Treatment  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_CONTEXT = 512
@@ -418,6 +419,106 @@ def test_malformed_json_unknown_model_and_unknown_fields(server) -> None:
     ignored = httpx.post(server.url + "/v1/completions",
                          json={"prompt": "x", "max_tokens": 2, "no_such_field": 1, "user": "u1"}, timeout=10)
     assert ignored.status_code == 200
+
+
+# ---- the fields of OpenAI's, vLLM's and SGLang's APIs (cbcore/serving/server/fields.py) -------------------------
+
+_BASE = {
+    COMPLETIONS: {"prompt": PROMPT, "max_tokens": 2, "temperature": 0},
+    CHAT: {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0},
+}
+# Values a client would send to ask for what the server cannot do (any other field gets one built from its type).
+_ASKING_FOR_MORE = {
+    "guided_json": {"type": "object"}, "structured_outputs": {"json": {"type": "object"}},
+    "response_format": {"type": "json_object"}, "repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 4,
+    "ignore_eos": True, "stop_token_ids": [2], "skip_special_tokens": False, "tool_choice": "required",
+    "modalities": ["text", "audio"], "tools": [{"type": "function", "function": {"name": "f"}}],
+    "logit_bias": {"7": 5}, "presence_penalty": 0.5, "best_of": 3,
+}
+# What a client sends in a field that changes nothing.
+_NO_OP_SAMPLES = {
+    "parallel_tool_calls": False, "prediction": {"type": "content", "content": "The quick"}, "store": True,
+    "metadata": {"team": "a"}, "service_tier": "default", "prompt_cache_key": "k1", "prompt_cache_retention": "24h",
+    "safety_identifier": "u1", "return_token_offsets": True, "return_mm_kwargs": False,
+    "routed_experts_prompt_start": 2, "stream_interval": 4, "request_id": "r1", "session_id": "s1", "rid": "r1",
+    "separate_reasoning": False, "stream_reasoning": False,
+}
+
+
+def _asking_for_more(name: str, accepted: tuple) -> object:
+    if name in _ASKING_FOR_MORE:
+        return _ASKING_FOR_MORE[name]
+    if not accepted:  # refused whatever its value
+        return "x"
+    default = accepted[0]
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, (int, float)):
+        return default + 2
+    if isinstance(default, str):
+        return default + "x"
+    return [*default, 7] if isinstance(default, list) else {**default, "x": 1}
+
+
+def _rows(*treatments: Treatment) -> list:
+    return [pytest.param(endpoint, name, id=f"{'chat' if endpoint == CHAT else 'completions'}-{name}")
+            for (endpoint, name), row in FIELDS.items() if row.treatment in treatments]
+
+
+@pytest.fixture(scope="module")
+def plain_texts(server) -> dict[str, str]:
+    """Each endpoint's greedy text for its base request, with no extra field."""
+    texts = {endpoint: _text(httpx.post(server.url + endpoint, json=body, timeout=30)) for endpoint, body in
+             _BASE.items()}
+    assert all(texts.values()), texts  # else "changes nothing" would compare empty strings
+    return texts
+
+
+def _text(response) -> str:
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    return choice["text"] if "text" in choice else choice["message"]["content"]
+
+
+@pytest.mark.parametrize("endpoint, name", _rows(Treatment.REFUSED, Treatment.DEFAULT_ONLY))
+def test_a_known_field_asking_for_what_the_server_cannot_do_is_a_400_naming_it(server, endpoint, name) -> None:
+    value = _asking_for_more(name, FIELDS[(endpoint, name)].accepted)
+    response = httpx.post(server.url + endpoint, json={**_BASE[endpoint], name: value}, timeout=10)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == name and error["code"] == "unsupported_parameter"
+    assert error["message"].startswith(f"'{name}'") and "not supported by this server" in error["message"]
+
+
+@pytest.mark.parametrize("endpoint, name", _rows(Treatment.DEFAULT_ONLY))
+def test_a_default_only_field_at_its_default_changes_nothing(server, plain_texts, endpoint, name) -> None:
+    for value in FIELDS[(endpoint, name)].accepted:
+        response = httpx.post(server.url + endpoint, json={**_BASE[endpoint], name: value}, timeout=30)
+        assert _text(response) == plain_texts[endpoint], (name, value)
+
+
+@pytest.mark.parametrize("endpoint, name", _rows(Treatment.NO_OP))
+def test_a_no_op_field_is_accepted_and_changes_nothing(server, plain_texts, endpoint, name) -> None:
+    response = httpx.post(server.url + endpoint, json={**_BASE[endpoint], name: _NO_OP_SAMPLES[name]}, timeout=30)
+    assert _text(response) == plain_texts[endpoint]
+
+
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+def test_a_field_no_peer_knows_is_ignored(server, plain_texts, endpoint) -> None:
+    response = httpx.post(server.url + endpoint, json={**_BASE[endpoint], "no_such_field": {"a": 1}}, timeout=30)
+    assert _text(response) == plain_texts[endpoint]
+
+
+@pytest.mark.parametrize("endpoint, name, other", [
+    (COMPLETIONS, "messages", CHAT), (COMPLETIONS, "max_completion_tokens", CHAT), (CHAT, "prompt", COMPLETIONS),
+    (CHAT, "suffix", COMPLETIONS),
+])
+def test_a_field_of_the_other_endpoint_is_a_400_naming_that_endpoint(server, endpoint, name, other) -> None:
+    response = httpx.post(server.url + endpoint, json={**_BASE[endpoint], name: _BASE[other].get(name, 5)},
+                          timeout=10)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == name and other in error["message"]
 
 
 def test_raw_sse_is_openais_chunk_format_ending_with_done(server) -> None:

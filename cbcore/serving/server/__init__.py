@@ -3,7 +3,8 @@
 
 | module | one job |
 |---|---|
-| `protocol.py` | OpenAI request bodies: parsing, validation (`ProtocolError`: OpenAI's error body), what is refused |
+| `protocol.py` | OpenAI request bodies: parsing and validation (`ProtocolError`: OpenAI's error body) |
+| `fields.py` | the fields OpenAI's, vLLM's and SGLang's servers accept: which cbcore honours, accepts or refuses |
 | `detokenizer.py` | incremental detokenization that never splits a multi-byte character; stop strings on the text |
 | `generation.py` | one request's lifecycle on the manager: add its choices, stream snapshots, stop, cancel, usage |
 | `metrics.py` | the Prometheus metrics (`/metrics`) |

@@ -3,10 +3,9 @@
 A body is checked field by field before anything reaches the engine; the first problem raises `ProtocolError`,
 which the app answers with OpenAI's error body `{"error": {"message", "type", "param", "code"}}` (400 unless said).
 
-Unknown fields are ignored, as OpenAI ignores them. Known OpenAI fields that would change the result but that cbcore
-does not implement are refused with 400 when set to anything but their neutral value, never silently dropped
-(STYLE.md #11): `presence_penalty`, `frequency_penalty`, `logit_bias`, `best_of` > n, `echo`, `suffix`, `tools`,
-`response_format` other than text.
+Which fields are read, accepted, or refused is one table, `fields.FIELDS`: every field of OpenAI's API and of vLLM's
+and SGLang's OpenAI-compatible servers is honoured here, accepted where it changes nothing, or answered 400 naming
+it, never silently dropped; a field none of them knows is ignored, as they ignore it.
 
 Logprobs are the model's own, as OpenAI and vLLM (its default `raw_logprobs`) report them: log-softmax of the raw
 logits, before temperature, top-k or top-p, for the chosen token and for the `top_logprobs` (chat, 0-20) or `logprobs`
@@ -26,6 +25,8 @@ import math
 import numbers
 from dataclasses import dataclass, field
 from typing import Any
+
+from .fields import CHAT, COMPLETIONS, refusal
 
 # OpenAI caps `stop` at 4 sequences; `n` and `top_logprobs` at 128 and 20.
 MAX_STOP_SEQUENCES = 4
@@ -162,18 +163,12 @@ def _bool_field(body: dict, name: str, default: bool = False) -> bool:
     return value
 
 
-def _refuse_unsupported(body: dict, extra_neutral: dict[str, Any]) -> None:
-    """400 for a known OpenAI field set to a value cbcore cannot honour."""
-    neutral = {"presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
-               "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, [])}
-    neutral.update(extra_neutral)
-    for name, allowed in neutral.items():
-        if name in body and body[name] not in allowed:
-            raise ProtocolError(
-                f"'{name}' is not supported by this server (cbcore serves plain sampling: temperature, top_p, top_k, "
-                f"max_tokens, n, stop); got {body[name]!r}",
-                param=name, code="unsupported_parameter",
-            )
+def _refuse_unsupported(body: dict, endpoint: str) -> None:
+    """400 for a known field this endpoint cannot honour (the table in fields.py)."""
+    refused = refusal(body, endpoint)
+    if refused is not None:
+        name, message = refused
+        raise ProtocolError(message, param=name, code="unsupported_parameter")
 
 
 def _stop(body: dict) -> list[str]:
@@ -250,9 +245,7 @@ def parse_completion(body: Any) -> CompletionRequest:
     lists of token ids (each one prompt). `logprobs`: null (none), or the chosen token's logprob and this many
     (0-5) most likely alternatives at each step."""
     body = _body(body)
-    _refuse_unsupported(body, {"echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)})
-    if _is_int(body.get("best_of")) and body["best_of"] != body.get("n", 1):
-        raise ProtocolError("'best_of' is not supported", param="best_of", code="unsupported_parameter")
+    _refuse_unsupported(body, COMPLETIONS)
     prompts = _prompts(body.get("prompt"))
     logprobs = _int_field(body, "logprobs", 0, 5)
     max_tokens = _int_field(body, "max_tokens", 1)
@@ -293,7 +286,7 @@ def parse_chat(body: Any) -> ChatRequest:
     `logprobs`: true for the chosen token's logprob; `top_logprobs` (0-20, needs `logprobs`): that many most likely
     alternatives at each step."""
     body = _body(body)
-    _refuse_unsupported(body, {"response_format": (None, {"type": "text"})})
+    _refuse_unsupported(body, CHAT)
     messages = _messages(body.get("messages"))
     logprobs = _bool_field(body, "logprobs")
     top_logprobs = _int_field(body, "top_logprobs", 0, 20)
