@@ -21,7 +21,9 @@ else gives wrong tokens without an error, so it must be refused. Two lines of de
 2. `self_check(model, ...)`: the safety net for what structure cannot see. A short prompt pair runs through cbcore's
    own paged path (the real `Scheduler`, `ModelRunner`, `PagedKVCache` and kernels, on a throwaway cache: chunked
    prefill, mixed prefill/decode steps, decodes over several pages) and its logits are compared with the model's own
-   forward (`use_cache=False`, the model's original attention implementation) on the same tokens. Every layer's
+   forward (`use_cache=False`, with the implementation that computes the model's true function: the one it was
+   loaded with, or for transformers' paged spellings such as `paged|eager` their non-paged equivalent, see
+   `reference_attn_implementation`) on the same tokens. Every layer's
    cbcore attention must be called exactly once per forward with cbcore's step data. Anything else (logits beyond
    the dtype's tolerance, a layer attended twice or never, an exception inside the step) raises
    `UnsupportedModelError` naming the model class and what was seen. This is what refuses attention that does not
@@ -293,21 +295,81 @@ class _CountingPages(list):
         return super().__getitem__(index)
 
 
-def self_check(model: torch.nn.Module, reference_attn_implementation: str | None, force: bool = False) -> None:
+def self_check(model: torch.nn.Module, original_attn_implementation: str | None, force: bool = False) -> None:
     """Serve a short prompt pair through cbcore's own paged path and compare with the model's own forward; raise
     `UnsupportedModelError` naming the model and what differed. Call it with cbcore's attention (and packed
-    linears) attached, before the loop starts. `reference_attn_implementation` is the model's own attention
-    implementation (switched to for the reference forward, then back); None keeps the current one.
+    linears) attached, before the loop starts. `original_attn_implementation` is the implementation the model was
+    loaded with; the reference forward runs with `reference_attn_implementation(original_attn_implementation)`
+    (switched to, then back); None keeps the current one.
 
     Runs on a throwaway cache, scheduler and runner, so the manager's cache, allocator and counters are untouched.
     Skipped for a model (and dtype, device) that passed before, unless `force`."""
+    try:
+        reference = reference_attn_implementation(original_attn_implementation)
+    except ValueError as error:
+        raise _unsupported(model, [str(error)]) from None
     key = (model.dtype, str(model.device))
     if not force and key in _checked.get(model, set()):
         return
-    problem = _run_self_check(model, reference_attn_implementation)
+    problem = _run_self_check(model, reference)
     if problem is not None:
         raise _unsupported(model, [f"the start-up self-check failed: {problem}"])
     _checked.setdefault(model, set()).add(key)
+
+
+def reference_attn_implementation(name: str | None) -> str | None:
+    """The attention implementation that computes the true function of a model loaded with `name`: `name` itself,
+    except for transformers' paged implementations, which compute it only inside transformers' own continuous
+    batching (fed its packed inputs and block mask) and attend bidirectionally in an ordinary forward. Those map to
+    their non-paged equivalent, as transformers 5.24 itself reads them:
+
+    - `paged|X` (`paged|eager`, the one transformers registers; `paged|sdpa`, `paged|flash_attention_2`, ..., the
+      spellings it still accepts by dropping the prefix) -> X;
+    - a name registered with transformers' `AttentionInterface` for one of its paged functions -> the non-paged
+      implementation of that function (`eager_paged_attention_forward` -> `eager`, `sdpa_attention_paged_forward`
+      -> `sdpa`).
+
+    ValueError for a paged implementation with no known equivalent (transformers' deprecated flash `paged_attention_
+    forward` registered under another name, `paged|` with nothing after it, or an unregistered name such as `paged`
+    or `sdpa_paged`): there is then nothing to check cbcore's steps against, so it is refused rather than guessed.
+    None stays None (keep the current implementation)."""
+    if name is None:
+        return None
+    if name.startswith(_PAGED_PREFIX):
+        inner = name[len(_PAGED_PREFIX):]
+        if not inner:
+            raise ValueError(f"the attention implementation {name!r} names no implementation after `paged|`; load "
+                             "the model with 'eager', 'sdpa' or 'paged|eager'")
+        return reference_attn_implementation(inner)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    registered = ALL_ATTENTION_FUNCTIONS.get(name) if name in ALL_ATTENTION_FUNCTIONS.valid_keys() else None
+    paged_function = registered is not None and registered in _paged_functions()
+    unregistered_paged = registered is None and "paged" in re.split(r"[|_\-]", name)
+    if not paged_function and not unregistered_paged:
+        return name
+    equivalent = _paged_functions().get(registered) if paged_function else None
+    if equivalent is None:
+        raise ValueError(
+            f"the attention implementation {name!r} is a paged one with no non-paged equivalent that cbcore knows, so "
+            "the start-up self-check has nothing to compare cbcore's steps with; load the model with 'eager', 'sdpa' "
+            "or 'paged|eager'"
+        )
+    return equivalent
+
+
+_PAGED_PREFIX = "paged|"
+
+
+@functools.lru_cache(maxsize=1)
+def _paged_functions() -> dict:
+    """transformers' paged attention functions -> the non-paged implementation computing the same attention (None:
+    none that cbcore can name)."""
+    from transformers.integrations.eager_paged import eager_paged_attention_forward
+    from transformers.integrations.flash_paged import paged_attention_forward
+    from transformers.integrations.sdpa_paged import sdpa_attention_paged_forward
+
+    return {eager_paged_attention_forward: "eager", sdpa_attention_paged_forward: "sdpa", paged_attention_forward: None}
 
 
 def _run_self_check(model: torch.nn.Module, reference_attn_implementation: str | None) -> str | None:

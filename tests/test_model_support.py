@@ -4,6 +4,8 @@ the engine's cache, allocator and counters untouched."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -122,3 +124,70 @@ def test_a_decoder_without_logits_to_keep_is_served_from_every_rows_logits() -> 
         manager.stop(block=True, timeout=60)
     assert [outputs[f"req_{i}"].generated_tokens for i in range(len(prompts))] == [
         reference_tokens(model, p, config) for p in prompts]
+
+
+# ---- transformers' paged spellings: the self-check's reference is the implementation they stand for ---------------
+
+
+@pytest.mark.parametrize("loaded, reference", [
+    ("paged|eager", "eager"),
+    ("paged|sdpa", "sdpa"),
+    ("paged|flash_attention_2", "flash_attention_2"),
+    ("eager", "eager"),
+    ("sdpa", "sdpa"),
+    (None, None),
+])
+def test_a_paged_spelling_is_checked_against_its_non_paged_implementation(loaded, reference) -> None:
+    assert model_support.reference_attn_implementation(loaded) == reference
+
+
+def test_a_name_registered_for_a_transformers_paged_function_maps_to_its_implementation() -> None:
+    from transformers import AttentionInterface
+    from transformers.integrations.eager_paged import eager_paged_attention_forward
+
+    AttentionInterface.register("cbcore_test_eager_paged", eager_paged_attention_forward)
+    assert model_support.reference_attn_implementation("cbcore_test_eager_paged") == "eager"
+
+
+@pytest.mark.parametrize("name", ["paged|", "paged", "sdpa_paged", "paged_attention"])
+def test_a_paged_implementation_without_a_known_equivalent_is_refused(name: str) -> None:
+    with pytest.raises(ValueError, match=f"{re.escape(repr(name))}.*no"):
+        model_support.reference_attn_implementation(name)
+
+
+def test_the_self_check_refuses_a_paged_implementation_without_an_equivalent_naming_the_model() -> None:
+    model = sweep.build_model("llama")
+    with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM.*'sdpa_paged'.*no non-paged"):
+        model_support.self_check(model, "sdpa_paged", force=True)
+
+
+@pytest.mark.parametrize("model_type, loaded", [
+    ("llama", "paged|eager"),
+    ("llama", "paged|sdpa"),
+    ("gemma2", "paged|eager"),  # soft-capping and a sliding window: eager is the only attention transformers gives it
+    ("gpt_oss", "paged|eager"),  # attention sinks, sliding layers: likewise
+])
+def test_a_model_loaded_with_a_paged_implementation_is_served_and_handed_back_as_loaded(model_type: str,
+                                                                                      loaded: str) -> None:
+    """transformers' own spelling for continuous batching (`paged|eager`; `paged|sdpa`, which transformers 5.24 reads as
+    `sdpa`): served, with exactly the tokens `model.generate` gives with the implementation it stands for, also while
+    the manager holds the model; stopping hands back exactly what the model was loaded with."""
+    model = sweep.build_model(model_type)
+    prompts, config = sweep.prompts(), sweep.greedy_config()
+    true_implementation = loaded.removeprefix("paged|")
+    model.set_attn_implementation(true_implementation)
+    want = [reference_tokens(model, p, config) for p in prompts]
+    model.set_attn_implementation(loaded)
+    as_loaded = model.config._attn_implementation
+    manager = cbcore.ContinuousBatchingManager(
+        model, config,
+        cbcore.ContinuousBatchingConfig(page_size=sweep.PAGE_SIZE, max_batch_tokens=sweep.MAX_BATCH_TOKENS))
+    manager.start()
+    try:
+        outputs = collect_outputs(manager, manager.add_requests(prompts))
+        # Outside cbcore's steps the layers compute the model's true function too.
+        assert [reference_tokens(model, p, config) for p in prompts] == want
+    finally:
+        manager.stop(block=True, timeout=60)
+    assert [outputs[f"req_{i}"].generated_tokens for i in range(len(prompts))] == want
+    assert model.config._attn_implementation == as_loaded

@@ -16,7 +16,7 @@ import torch
 
 from .. import attention
 from ..linear import PackedLinears
-from ..model_support import language_root
+from ..model_support import language_root, reference_attn_implementation
 from ..positions import StepPositions
 
 
@@ -44,8 +44,9 @@ class ModelBinding:
             if current != name and self.original_attn_implementation is None:
                 self.model.set_attn_implementation(name)
                 self.original_attn_implementation = current
-                # Outside cbcore's steps the layers run what the model had (its eager function for an eager model).
-                attention.mark_outside_steps_implementation(self.model, current)
+                # Outside cbcore's steps the layers run what the model had (its eager function for an eager model,
+                # and for `paged|eager`, whose own function attends bidirectionally outside transformers' batches).
+                attention.mark_outside_steps_implementation(self.model, _outside_steps_implementation(current))
             if self._packed_linears is None and self.model.device.type == "cpu":
                 self._packed_linears = PackedLinears.attach(self.model)
             if self._step_positions is None:
@@ -73,3 +74,13 @@ class ModelBinding:
                 self.original_attn_implementation = None
                 attention.mark_outside_steps_implementation(self.model, None)
             self.attached = False
+
+
+def _outside_steps_implementation(original: str | None) -> str | None:
+    """What a bound model's layers run outside cbcore's steps: the true function of its original implementation
+    (cbcore/model_support.py), or the original itself when that has none (the self-check refuses such a model at
+    `start()`, before it serves anything)."""
+    try:
+        return reference_attn_implementation(original)
+    except ValueError:
+        return original

@@ -157,7 +157,9 @@ class ContinuousBatchingManager(RequestSubmission, GenerationLoop):
 
     @property
     def _original_attn_impl(self) -> str | None:
-        """The model's own attention implementation while cbcore's is attached, else None."""
+        """The attention implementation the model was loaded with, while cbcore's is attached (else None): what
+        stopping hands back, exactly (`paged|eager` stays `paged|eager`). The self-check compares cbcore's steps with
+        the function it stands for (`model_support.reference_attn_implementation`: `eager` for `paged|eager`)."""
         return self.engine.binding.original_attn_implementation if self.engine is not None else None
 
     @property
