@@ -25,25 +25,11 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-import psutil
 import torch
 
 from ._C import SwapPool
 from .host_tier import HostTier
 from .plan import BlockCopies
-
-GIB = 2**30
-
-
-def plan_num_host_blocks(offload_space_gib: float | None, safety_threshold: float, bytes_per_block: int) -> int:
-    """Host blocks for `cpu_offload_space` GiB, capped at `safety_threshold` of the machine's RAM (as transformers;
-    None takes the whole cap) and, unlike transformers, at `safety_threshold` of the memory *available* now: the pool
-    is zero-filled at start, so a cap on total RAM alone could take memory that other processes hold."""
-    memory = psutil.virtual_memory()
-    cap = safety_threshold * min(memory.total, memory.available)
-    wanted = cap if offload_space_gib is None else min(offload_space_gib * GIB, cap)
-    return int(wanted // bytes_per_block)
-
 
 class SwapPolicy:
     """The swap-or-recompute rule, from two measured rates."""

@@ -16,7 +16,7 @@ import torch
 from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, LogitsProcessor, LogitsProcessorList
 
 import cbcore
-from cbcore.swap import plan_num_host_blocks
+from cbcore.engine.sizing import HostMemory, plan_num_host_blocks
 from conftest import (
     VOCAB,
     assert_engine_clean,
@@ -598,15 +598,12 @@ def test_every_config_field_is_type_and_range_checked(kwargs: dict, error: type,
 
 
 def test_a_host_pool_is_capped_by_the_memory_available_not_only_the_total(monkeypatch: pytest.MonkeyPatch) -> None:
-    class Memory:
-        total = 100 * 2**30
-        available = 2**30
-
-    monkeypatch.setattr("cbcore.swap.psutil.virtual_memory", lambda: Memory)
+    memory = HostMemory(available=2**30, bound="the RAM available", total=100 * 2**30)
+    monkeypatch.setattr("cbcore.engine.sizing.host_memory", lambda: memory)
     block = 2**20
-    assert plan_num_host_blocks(None, 0.8, block) == int(0.8 * 2**30) // block
-    assert plan_num_host_blocks(10**6, 0.8, block) == int(0.8 * 2**30) // block
-    assert plan_num_host_blocks(0.5, 0.8, block) == 512
+    assert plan_num_host_blocks(None, 0.8, block).num_blocks == int(0.8 * 2**30) // block
+    assert plan_num_host_blocks(10**6, 0.8, block).num_blocks == int(0.8 * 2**30) // block
+    assert plan_num_host_blocks(0.5, 0.8, block).num_blocks == 512
 
 
 # ---- the drop-in: what transformers' code relies on --------------------------------------------------------------

@@ -36,10 +36,9 @@ from ..compiled_step import resolve_compile_configs
 from ..runner import StepResult
 from ..sampling import LogitsProcessorSwitch, Sampler
 from ..scheduler import SCHEDULING_ORDERS, ScheduledBatch, ScheduledRequest, Scheduler
-from ..swap import plan_num_host_blocks
 from ..switches import env_switch
 from .model_binding import ModelBinding
-from .sizing import absolute_position_limit, gib, plan_sizes
+from .sizing import absolute_position_limit, allocation_error, gib, plan_num_host_blocks, plan_sizes
 
 logger = logging.getLogger("cbcore")
 
@@ -82,11 +81,14 @@ class EngineCore:
             sizes = dataclasses.replace(sizes, num_blocks=num_blocks)
         try:
             self.cache = PagedKVCache(shape, sizes.num_blocks, cb_config.page_size, device, cb_config.allow_block_sharing)
-        except (RuntimeError, MemoryError) as error:  # torch raises RuntimeError when an allocation fails
-            raise ValueError(
-                f"could not allocate the KV cache (num_blocks={sizes.num_blocks} x page_size={cb_config.page_size}, "
-                f"{gib(sizes.num_blocks * cb_config.page_size * shape.bytes_per_token)} GiB): {error}; lower num_blocks"
-            ) from error
+        except (RuntimeError, MemoryError, OSError) as error:  # torch: RuntimeError; a large CPU cache's mmap: OSError
+            percent = cb_config.max_memory_percent
+            option = (f"num_blocks={sizes.num_blocks}" if cb_config.num_blocks is not None else
+                      f"max_memory_percent{'' if percent is None else f'={percent}'} (num_blocks=None was sized from "
+                      f"it{' (its default)' if percent is None else ''} to {sizes.num_blocks}), or set num_blocks")
+            needed = sizes.num_blocks * cb_config.page_size * shape.bytes_per_token
+            raise allocation_error(f"KV cache of {sizes.num_blocks} blocks x page_size={cb_config.page_size}", option,
+                                   needed, device, error) from error
         if cb_config.cpu_offload_space is None or cb_config.cpu_offload_space > 0:
             self._enable_swap(shape, cb_config)
         self.scheduler = Scheduler(
@@ -129,7 +131,8 @@ class EngineCore:
 
     def _enable_swap(self, shape: CacheShape, cfg: ContinuousBatchingConfig) -> None:
         bytes_per_block = shape.bytes_per_token * cfg.page_size
-        num_host_blocks = plan_num_host_blocks(cfg.cpu_offload_space, cfg.cpu_offload_space_safety_threshold, bytes_per_block)
+        plan = plan_num_host_blocks(cfg.cpu_offload_space, cfg.cpu_offload_space_safety_threshold, bytes_per_block)
+        num_host_blocks = plan.num_blocks
         if self._tensor_parallel is not None:
             (num_host_blocks,) = self._tensor_parallel.agree_min([num_host_blocks], "the number of host blocks")
         if num_host_blocks < 1:
@@ -138,11 +141,20 @@ class EngineCore:
                 "cpu_offload_space_safety_threshold cap and what memory is available); raise it or set it to 0 to "
                 "disable swap"
             )
-        self.cache.enable_swap(num_host_blocks)
-        logger.info(
-            f"cbcore: host pool of {num_host_blocks} blocks ({gib(num_host_blocks * bytes_per_block)} GiB) for "
-            f"cpu_offload_space={cfg.cpu_offload_space}"
-        )
+        try:
+            self.cache.enable_swap(num_host_blocks)
+        except NotImplementedError:  # a cache shape the pool cannot hold: its own message says what to set
+            raise
+        except (RuntimeError, MemoryError) as error:  # torch raises RuntimeError when the pool's allocation fails
+            raise allocation_error(f"host pool of {num_host_blocks} blocks",
+                                   f"cpu_offload_space={cfg.cpu_offload_space}", num_host_blocks * bytes_per_block,
+                                   torch.device("cpu"), error) from error
+        size = f"host pool of {num_host_blocks} blocks ({gib(num_host_blocks * bytes_per_block)} GiB)"
+        if plan.capped_by is not None:
+            logger.warning(f"cbcore: cpu_offload_space={cfg.cpu_offload_space} GiB capped to a {size} by "
+                           f"{plan.capped_by}")
+        else:
+            logger.info(f"cbcore: {size} for cpu_offload_space={cfg.cpu_offload_space}")
 
     # ---- requests in and out -----------------------------------------------------------------------------------
 

@@ -1,11 +1,15 @@
-"""How big the engine is: the step budgets and the number of cache blocks, from the config, the workload hints and
-the memory available (transformers infers its budgets from GPU memory; on a CPU cbcore bounds the cache, since it
-shares RAM with everything else)."""
+"""How big the engine is: the step budgets, the number of cache blocks and of host-pool blocks, from the config, the
+workload hints and the memory available (transformers infers its budgets from GPU memory; on a CPU cbcore bounds the
+cache, since it shares RAM with everything else). Host memory is what this process may really take: the RAM
+available, its cgroup's memory limit and its address-space limit, the least of them (`host_memory`). An allocation
+that still fails is reported naming the option that sized it (`allocation_error`)."""
 
 from __future__ import annotations
 
 import math
+import resource
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import torch
@@ -29,6 +33,111 @@ CPU_MAX_MEMORY_PERCENT = 0.6  # transformers' default on CPU; cbcore also caps t
 # An explicit num_blocks may take at most this share of the memory available when the cache is allocated: beyond it
 # the allocation would push the machine into swap or fail with a raw allocator error.
 MAX_EXPLICIT_CACHE_SHARE = 0.9
+
+
+GIB = 2**30
+# A limit this large means "no limit" (cgroup v1 writes 2**63 rounded down to a page; v2 writes "max").
+_UNLIMITED = 2**60
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+_PROC_CGROUP = Path("/proc/self/cgroup")
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """The host memory this process may still take: the least of the RAM available, what its cgroup's memory limit
+    leaves, and what its address-space limit (`RLIMIT_AS`) leaves. `bound` names the one that decided it. A cgroup
+    limit is enforced by the OOM killer when pages are first touched (long after the allocation succeeded), and
+    `RLIMIT_AS` by a failed allocation: sizing against RAM alone lets either kill or fail a process that asked for
+    what the machine has."""
+
+    available: int
+    bound: str
+    total: int  # physical RAM
+
+
+def host_memory() -> HostMemory:
+    """What host memory this process may take now (see `HostMemory`)."""
+    memory = psutil.virtual_memory()
+    bounds = [(memory.available, "the RAM available")]
+    cgroup = _cgroup_headroom()
+    if cgroup is not None:
+        bounds.append(cgroup)
+    soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        mapped = psutil.Process().memory_info().vms
+        bounds.append((max(soft - mapped, 0), f"the address-space limit (RLIMIT_AS {gib(soft)} GiB, "
+                                              f"{gib(mapped)} GiB mapped already)"))
+    available, bound = min(bounds, key=lambda b: b[0])
+    return HostMemory(available, bound, memory.total)
+
+
+def _cgroup_headroom(root: Path = _CGROUP_ROOT, membership: Path = _PROC_CGROUP) -> tuple[int, str] | None:
+    """(bytes left under the tightest memory limit of this process's cgroup and its ancestors, that limit's
+    description), or None when none has a limit. Reclaimable page cache (the inactive file pages, as `docker stats`
+    counts them) is not counted as used: the kernel drops it before it kills anything, and the model's weights just
+    read from disk leave much of it."""
+    headrooms = []
+    for folder, limit_name, usage_name, inactive_key in _cgroup_folders(root, membership):
+        try:
+            text = (folder / limit_name).read_text().strip()
+            limit = _UNLIMITED if text == "max" else int(text)
+            if limit >= _UNLIMITED:
+                continue
+            usage = int((folder / usage_name).read_text())
+        except (OSError, ValueError):
+            continue
+        used = max(usage - _stat_value(folder / "memory.stat", inactive_key), 0)
+        headrooms.append((max(limit - used, 0), f"the cgroup memory limit ({folder / limit_name}: {gib(limit)} GiB)"))
+    return min(headrooms, key=lambda h: h[0]) if headrooms else None
+
+
+def _cgroup_folders(root: Path, membership: Path) -> list[tuple[Path, str, str, str]]:
+    """The folders whose memory limit binds this process, with their files' names: the mount's root (a container
+    with its own cgroup namespace sees its group there) and the group named in /proc/self/cgroup with its ancestors
+    (a process in a sub-group of the mount), for cgroup v2 and v1."""
+    v2 = ("memory.max", "memory.current", "inactive_file")
+    v1 = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    folders = {(root, *v2), (root / "memory", *v1)}
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _hierarchy, controllers, path = parts
+        if controllers == "":
+            mount, names = root, v2
+        elif "memory" in controllers.split(","):
+            mount, names = root / "memory", v1
+        else:
+            continue
+        folder = mount / path.strip("/")
+        while folder != mount and mount in folder.parents:
+            folders.add((folder, *names))
+            folder = folder.parent
+    return sorted(folders)
+
+
+def _stat_value(path: Path, key: str) -> int:
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _device_memory(device: torch.device) -> tuple[int, str]:
+    """(bytes this process may take on `device` now, what bounds it)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free, f"the free memory of {device}"
+    memory = host_memory()
+    return memory.available, memory.bound
 
 
 @dataclass(frozen=True)
@@ -85,15 +194,12 @@ def check_cache_fits(shape: CacheShape, num_blocks: int, page_size: int, device:
     """An explicit `num_blocks` x `page_size` must fit in the memory available now, with room to spare; say so
     before allocating rather than fail in the allocator (or push the machine into swap)."""
     needed = num_blocks * page_size * shape.bytes_per_token
-    if device.type == "cuda":
-        available, _total = torch.cuda.mem_get_info(device)
-    else:
-        available = psutil.virtual_memory().available
+    available, bound = _device_memory(device)
     if needed > MAX_EXPLICIT_CACHE_SHARE * available:
         raise ValueError(
             f"num_blocks={num_blocks} x page_size={page_size} needs {gib(needed)} GiB of KV cache "
             f"({shape.bytes_per_token} bytes per token), but only {gib(available)} GiB of {device.type} memory is "
-            "available; lower num_blocks or page_size (or leave num_blocks=None to size it automatically)"
+            f"available ({bound}); lower num_blocks or page_size (or leave num_blocks=None to size it automatically)"
         )
 
 
@@ -123,21 +229,63 @@ def plan_num_blocks(
     `CPU_CACHE_CAP_BYTES`. `max_useful_blocks` (from workload hints: every request at its longest, all at once, see
     `useful_blocks`) caps it further: more blocks than that would never be used.
     """
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        budget = max_memory_percent * max(free - reserved_bytes, 0)
-    else:
-        available = psutil.virtual_memory().available
-        budget = min(max_memory_percent * max(available - reserved_bytes, 0), CPU_CACHE_CAP_BYTES)
-    num_blocks = int(budget // (shape.bytes_per_token * page_size))
+    available, bound = _device_memory(device)
+    budget = max_memory_percent * max(available - reserved_bytes, 0)
+    if device.type != "cuda":
+        budget = min(budget, CPU_CACHE_CAP_BYTES)
+    block_bytes = shape.bytes_per_token * page_size
+    num_blocks = int(budget // block_bytes)
     if max_useful_blocks is not None:
         num_blocks = min(num_blocks, max_useful_blocks)
     if num_blocks < 1:
         raise ValueError(
-            f"not enough free memory for a single KV-cache block of {page_size} tokens "
-            f"({shape.bytes_per_token * page_size} bytes); set num_blocks explicitly or free memory"
+            f"max_memory_percent={max_memory_percent:g} of the {gib(available)} GiB of {device.type} memory available "
+            f"({bound}), less {gib(reserved_bytes)} GiB for the step's activations, is {budget:.0f} bytes: not one "
+            f"KV-cache block of {page_size} tokens ({block_bytes} bytes); raise max_memory_percent, set num_blocks, "
+            "or free memory"
         )
     return num_blocks
+
+
+@dataclass(frozen=True)
+class HostPoolPlan:
+    """The host pool's size, and the cap that decided it when it is smaller than `cpu_offload_space` asked."""
+
+    num_blocks: int
+    capped_by: str | None  # None: cpu_offload_space was granted (or None asked for the whole cap)
+
+
+def plan_num_host_blocks(
+    offload_space_gib: float | None, safety_threshold: float, bytes_per_block: int
+) -> HostPoolPlan:
+    """Host blocks for `cpu_offload_space` GiB, capped at `safety_threshold` of the machine's RAM (as transformers;
+    None takes the whole cap) and, unlike transformers, at `safety_threshold` of the memory this process may take
+    now (`host_memory`: the RAM available, its cgroup's limit, its address-space limit). The pool is zero-filled at
+    start, so a cap on total RAM alone could take memory that other processes hold, and a process under a memory
+    limit would be killed, or fail in the allocator, for asking what the machine has."""
+    memory = host_memory()
+    cap = safety_threshold * min(memory.total, memory.available)
+    bound = memory.bound if memory.available < memory.total else "the machine's RAM"
+    if offload_space_gib is None:
+        return HostPoolPlan(int(cap // bytes_per_block), None)
+    wanted = offload_space_gib * GIB
+    if wanted <= cap:
+        return HostPoolPlan(int(wanted // bytes_per_block), None)
+    return HostPoolPlan(
+        int(cap // bytes_per_block),
+        f"cpu_offload_space_safety_threshold={safety_threshold:g} of {gib(min(memory.total, memory.available))} GiB "
+        f"({bound})",
+    )
+
+
+def allocation_error(what: str, option: str, needed: int, device: torch.device, error: BaseException) -> ValueError:
+    """The error for an allocation the engine asked for that failed (torch raises RuntimeError, mmap OSError):
+    which option sized it, the bytes asked for and the memory this process could take."""
+    available, bound = _device_memory(device)
+    return ValueError(
+        f"could not allocate the {what} ({gib(needed)} GiB, {needed} bytes) on {device.type}: {gib(available)} GiB "
+        f"is available to this process ({bound}); lower {option} ({type(error).__name__}: {error})"
+    )
 
 
 def useful_blocks(num_requests: int, longest_request_tokens: int, page_size: int) -> int:
