@@ -1,12 +1,14 @@
 """transformers' own continuous-batching tests (`tests/generation/test_continuous_batching.py` in transformers'
 repository, the version matching 5.24), ported to run against cbcore through its public API.
 
-The original has 65 test methods (142 cases once parametrized). 35 methods (43 cases) are ported, one case of them an
-expected failure; 30 methods are skipped whole, and 20 cases of ported methods are skipped parameters (99 cases in
-all: 53 private internals, 46 that need a GPU, flash-attn, kernels, several GPUs, CUDA graphs or async batching). Each original maps here to exactly one of:
+The original has 65 test methods (142 cases once parametrized). 35 methods (44 cases) are ported, one case of them an
+expected failure; 30 methods are skipped whole, and 19 cases of ported methods are skipped parameters (98 cases in
+all: 53 private internals, 45 that need a GPU, flash-attn, kernels, several GPUs, CUDA graphs or async batching).
+Cases a port adds beyond its original's say so and are not counted. Each original maps here to exactly one of:
 
 - a port: a test of the same behaviour, named for it, with the original's name in its docstring. The originals load
-  TinyLlama / Qwen2.5 / Gemma checkpoints and compare with a padded `model.generate`; the ports use the suite's tiny
+  TinyLlama / Qwen2.5 / Gemma checkpoints (for continuous batching with `paged|` + the attention, `paged|eager`
+  included, and for the reference without it) and compare with a padded `model.generate`; the ports use the suite's tiny
   seeded fp32 models (conftest.py, plus a tiny Gemma-2 and Gemma-3 here) and compare with `model.generate` run on
   each prompt alone (no padding, so greedy tokens must be equal and log-probabilities agree to 1e-5). Where DESIGN.md
   §7 or the README's Differences table says cbcore deliberately differs (the attention switched at `start()` rather
@@ -65,17 +67,35 @@ def started(model, generation_config: GenerationConfig, **cb_kwargs) -> cbcore.C
     return manager
 
 
-def assert_generate_batch_equals_generate(model, prompts, generation_config, cb_config) -> dict:
-    """`generate_batch` through cbcore: ids in input order, every request FINISHED with its own prompt, and the
-    tokens `model.generate` gives each prompt alone (the original's `_test_continuous_batching_parity`)."""
+def load_for_continuous_batching(model, attn_implementation: str) -> str:
+    """Set `model`'s attention as the original's `_test_continuous_batching_parity` loads its model for continuous
+    batching: `paged|` + the implementation (transformers 5.24 keeps `paged|eager`, and reads `paged|sdpa` as
+    `sdpa`). Returns what the model's config names then."""
+    model.set_attn_implementation(f"paged|{attn_implementation}")
+    return model.config._attn_implementation
+
+
+def assert_generate_batch_equals_generate(model, prompts, generation_config, cb_config,
+                                          reference_attn_implementation: str | None = None) -> dict:
+    """`generate_batch` through cbcore: ids in input order, every request FINISHED with its own prompt, the model
+    handed back with the attention it was loaded with, and the tokens `model.generate` gives each prompt alone (the
+    original's `_test_continuous_batching_parity`). `reference_attn_implementation`: the attention `model.generate`
+    runs with (the original reloads its model with the non-paged implementation for it); None: the model's own."""
+    loaded = model.config._attn_implementation
     cbcore.enable(model)
     outputs = model.generate_batch(inputs=prompts, generation_config=generation_config,
                                    continuous_batching_config=cb_config, progress_bar=False)
+    assert model.config._attn_implementation == loaded
     assert list(outputs) == [f"req_{i}" for i in range(len(prompts))]
-    for prompt, output in zip(prompts, outputs.values()):
-        assert output.status == RequestStatus.FINISHED, output.error
-        assert output.prompt_ids == prompt
-        assert output.generated_tokens == reference_tokens(model, prompt, generation_config), output.request_id
+    if reference_attn_implementation is not None:
+        model.set_attn_implementation(reference_attn_implementation)
+    try:
+        for prompt, output in zip(prompts, outputs.values()):
+            assert output.status == RequestStatus.FINISHED, output.error
+            assert output.prompt_ids == prompt
+            assert output.generated_tokens == reference_tokens(model, prompt, generation_config), output.request_id
+    finally:
+        model.set_attn_implementation(loaded)
     return outputs
 
 
@@ -564,37 +584,39 @@ def test_with_a_handler_outputs_go_to_its_event_loop_not_the_queue() -> None:
 ])
 def test_config_combinations_without_compile_equal_generate(allow_block_sharing: bool, attn_implementation: str,
                                                             use_cuda_graph: bool) -> None:
-    """Original: test_continuous_batching_config_combinations_no_compile (12 cases). The model is loaded with the
-    given attention; cbcore runs its own paged attention during its steps, and the reference is `model.generate`
-    with the model's own attention."""
+    """Original: test_continuous_batching_config_combinations_no_compile (12 cases). As in the original, the model is
+    loaded with `paged|` + the given attention and the reference is `model.generate` with the given attention itself;
+    cbcore runs its own paged attention during its steps."""
     model = tiny_model("llama_gqa")
-    model.set_attn_implementation(attn_implementation)
+    load_for_continuous_batching(model, attn_implementation)
     try:
         assert_generate_batch_equals_generate(
             model, prompts_for(106), greedy_config(20),
             cbcore.ContinuousBatchingConfig(allow_block_sharing=allow_block_sharing, use_cuda_graph=use_cuda_graph,
-                                            default_compile_level=0))
-        assert model.config._attn_implementation == attn_implementation
+                                            default_compile_level=0),
+            reference_attn_implementation=attn_implementation)
     finally:
         model.set_attn_implementation("sdpa")
 
 
 @pytest.mark.parametrize("attn_implementation, use_cuda_graph", [
+    ("eager", False),
     ("sdpa", False),
     pytest.param("sdpa", True, marks=CUDA_GRAPHS),
-    pytest.param("eager", True, marks=CUDA_GRAPHS),
-    pytest.param("flash_attention_2", False, marks=FLASH),
+    pytest.param("flash_attention_2", True, marks=FLASH),
 ])
 def test_config_combinations_with_compile_equal_generate(attn_implementation: str, use_cuda_graph: bool) -> None:
-    """Original: test_continuous_batching_config_combinations_with_compile (4 cases: default_compile_level=1, two
-    with CUDA graphs, one with flash-attn 2). cbcore compiles its step on the CPU too (cbcore/compiled_step.py)."""
+    """Original: test_continuous_batching_config_combinations_with_compile (4 cases: default_compile_level=1, one
+    with CUDA graphs, one with flash-attn 2 and CUDA graphs). Loaded and compared as in
+    test_config_combinations_without_compile_equal_generate; cbcore compiles its step on the CPU too
+    (cbcore/compiled_step.py)."""
     model = tiny_model("llama_gqa")
-    model.set_attn_implementation(attn_implementation)
+    load_for_continuous_batching(model, attn_implementation)
     try:
         assert_generate_batch_equals_generate(
             model, prompts_for(111), greedy_config(20),
-            cbcore.ContinuousBatchingConfig(use_cuda_graph=use_cuda_graph, default_compile_level=1))
-        assert model.config._attn_implementation == attn_implementation
+            cbcore.ContinuousBatchingConfig(use_cuda_graph=use_cuda_graph, default_compile_level=1),
+            reference_attn_implementation=attn_implementation)
     finally:
         model.set_attn_implementation("sdpa")
 
@@ -625,24 +647,36 @@ def test_long_generation_equals_generate() -> None:
 def test_gemma2_with_soft_capping_and_sliding_layers_equals_generate(use_cuda_graph: bool, use_compile: bool) -> None:
     """Original: test_continuous_batching_diverse_models (google/gemma-2-2b-it with flash-attn 2, 4 cases). A tiny
     Gemma-2: sliding and full layers, logit soft-capping (which transformers' paged path ignores and cbcore honours,
-    DESIGN.md §7). The reference is `model.generate` with the model's eager attention."""
+    DESIGN.md §7). Eager is the attention transformers gives Gemma-2 on the CPU, so the model is loaded with
+    `paged|eager` as the original loads `paged|flash_attention_2`, and the reference is `model.generate` with eager."""
     model = tiny_gemma2()
-    assert_generate_batch_equals_generate(
-        model, random_prompts([3, 9, 20], seed=109), greedy_config(12),
-        cbcore.ContinuousBatchingConfig(page_size=4, use_cuda_graph=use_cuda_graph,
-                                        default_compile_level=1 if use_compile else 0))
-    assert model.config._attn_implementation == "eager"
+    load_for_continuous_batching(model, "eager")
+    try:
+        assert_generate_batch_equals_generate(
+            model, random_prompts([3, 9, 20], seed=109), greedy_config(12),
+            cbcore.ContinuousBatchingConfig(page_size=4, use_cuda_graph=use_cuda_graph,
+                                            default_compile_level=1 if use_compile else 0),
+            reference_attn_implementation="eager")
+    finally:
+        model.set_attn_implementation("eager")
 
 
-def test_hybrid_model_crossing_the_window_equals_generate() -> None:
-    """Original: test_hybrid_sliding_window_crossing_parity (gemma-3-1b-it). Prompts shorter than the window, just
-    under it (crossing it while decoding) and well over it (crossing it in prefill, chunked), fp32."""
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_hybrid_model_crossing_the_window_equals_generate(attn_implementation: str) -> None:
+    """Original: test_hybrid_sliding_window_crossing_parity (gemma-3-1b-it, loaded with `paged|sdpa` for continuous
+    batching and `sdpa` for the reference; the `paged|eager` / eager case is added here). Prompts shorter than the
+    window, just under it (crossing it while decoding) and well over it (crossing it in prefill, chunked), fp32."""
     model = tiny_gemma3()
     prompts = random_prompts([4, GEMMA3_WINDOW - 2, 3 * GEMMA3_WINDOW + 5], seed=110)
-    assert_generate_batch_equals_generate(
-        model, prompts, greedy_config(30),
-        cbcore.ContinuousBatchingConfig(page_size=4, max_batch_tokens=16, use_cuda_graph=False,
-                                        use_async_batching=False))
+    load_for_continuous_batching(model, attn_implementation)
+    try:
+        assert_generate_batch_equals_generate(
+            model, prompts, greedy_config(30),
+            cbcore.ContinuousBatchingConfig(page_size=4, max_batch_tokens=16, use_cuda_graph=False,
+                                            use_async_batching=False),
+            reference_attn_implementation=attn_implementation)
+    finally:
+        model.set_attn_implementation("sdpa")
 
 
 @pytest.mark.parametrize("use_cuda_graph, use_async_batching", [
@@ -819,12 +853,14 @@ def test_num_return_sequences_set_on_the_manager_gives_identical_greedy_children
     ("paged|sdpa", True),
     ("sdpa", False),
     ("eager", False),
+    ("paged|eager", False),
 ])
 def test_attention_is_switched_at_start_and_restored_at_stop(loaded_attn_implementation: str,
                                                              supports_flash_attn: bool) -> None:
-    """Original: test_switch_to_cb_friendly_attn (3 cases; the eager case is added here). cbcore differs deliberately
-    (README, Differences): building the manager leaves the model untouched, `start()` switches it to cbcore's paged
-    attention (whatever it was loaded with: cbcore never switches to flash), and stopping restores the original."""
+    """Original: test_switch_to_cb_friendly_attn (3 cases; the eager and paged|eager cases are added here). cbcore
+    differs deliberately (README, Differences): building the manager leaves the model untouched, `start()` switches
+    it to cbcore's paged attention (whatever it was loaded with: cbcore never switches to flash), and stopping
+    restores the original exactly."""
     model = tiny_model("qwen2")
     model.set_attn_implementation(loaded_attn_implementation)
     model._supports_flash_attn = supports_flash_attn
