@@ -16,6 +16,9 @@ import cbcore
 from conftest import VOCAB, random_prompts, tiny_model
 
 EOS = VOCAB - 1  # explicit, so both sides agree on it (see the README on EOS fallbacks)
+# An explicit cache size for the queue scenarios: sized from memory, transformers' manager on a CPU allocates and
+# zero-fills about half the machine at start(), which on a busy 2-core machine outlasts the tests' 30 s waits.
+SMALL_CACHE = dict(page_size=16, num_blocks=64)
 
 
 def generation_config(**kwargs) -> GenerationConfig:
@@ -96,8 +99,8 @@ def test_streaming_chunks_are_the_same_sequence() -> None:
 def test_get_result_times_out_and_returns_none_when_nothing_is_running() -> None:
     model = tiny_model("qwen2")
     transformers_manager = type(model).init_continuous_batching(
-        model, generation_config=generation_config(), continuous_batching_config=TransformersCBConfig(page_size=16))
-    cbcore_manager = cbcore.ContinuousBatchingManager(model, generation_config(), cbcore.ContinuousBatchingConfig(page_size=16))
+        model, generation_config=generation_config(), continuous_batching_config=TransformersCBConfig(**SMALL_CACHE))
+    cbcore_manager = cbcore.ContinuousBatchingManager(model, generation_config(), cbcore.ContinuousBatchingConfig(**SMALL_CACHE))
     for manager in (transformers_manager, cbcore_manager):
         assert manager.get_result(timeout=0.05) is None  # not started: None at once
         manager.start()
@@ -114,8 +117,8 @@ def test_get_result_times_out_and_returns_none_when_nothing_is_running() -> None
 def test_request_ids_follow_the_same_conventions() -> None:
     model = tiny_model("qwen2")
     transformers_manager = type(model).init_continuous_batching(
-        model, generation_config=generation_config(), continuous_batching_config=TransformersCBConfig(page_size=16))
-    cbcore_manager = cbcore.ContinuousBatchingManager(model, generation_config(), cbcore.ContinuousBatchingConfig(page_size=16))
+        model, generation_config=generation_config(), continuous_batching_config=TransformersCBConfig(**SMALL_CACHE))
+    cbcore_manager = cbcore.ContinuousBatchingManager(model, generation_config(), cbcore.ContinuousBatchingConfig(**SMALL_CACHE))
     seen = []
     for manager in (transformers_manager, cbcore_manager):
         manager.start()
