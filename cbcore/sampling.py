@@ -83,12 +83,18 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 class LogitsProcessorSwitch:
     """`manager.logit_processor`, the part of transformers' `ContinuousBatchingLogitsProcessorList` that code driving
     a manager reads: `logits_processor` (what `model.generate` builds for this generation config, for a one-token
-    prompt: the per-request lists are built from the same config), `do_processing`, and `clear()`, which turns every
-    processor off so the sampler sees the raw logits (transformers' tests use it to compare logprobs)."""
+    prompt: the per-request lists are built from the same config), `do_processing`, `supported_keys` /
+    `ignored_keys` (the per-request kwargs `add_request` takes, with their types, and those it accepts and ignores:
+    transformers 5.25's serving layer keeps only the supported ones, cast to their types) and `clear()`, which turns
+    every processor off so the sampler sees the raw logits (transformers' tests use it to compare logprobs)."""
 
-    def __init__(self, logits_processor: LogitsProcessorList) -> None:
+    def __init__(self, logits_processor: LogitsProcessorList, per_request: bool = False) -> None:
+        """`per_request`: whether requests may set their own temperature / top_k / top_p (per_request_processors
+        with a sampling config; `request_inputs.processor_kwargs` refuses them otherwise)."""
         self.logits_processor = logits_processor
         self.do_processing = len(logits_processor) > 0
+        self.supported_keys: dict[str, type] = dict(PER_REQUEST_KWARGS) if per_request else {}
+        self.ignored_keys: set[str] = set(IGNORED_KWARGS) if per_request else set()
         # Set by clear() only: a config without processors still applies each request's own temperature / top_k /
         # top_p (per_request_processors), so "no base processor" must not switch those off.
         self.cleared = False
@@ -97,6 +103,8 @@ class LogitsProcessorSwitch:
         """No processor runs from the next step on."""
         self.logits_processor = LogitsProcessorList()
         self.do_processing = False
+        self.supported_keys = {}
+        self.ignored_keys = set()
         self.cleared = True
 
 

@@ -688,40 +688,6 @@ def test_background_thread_status_says_whether_the_loop_is_healthy() -> None:
         manager.stop()
 
 
-def test_transformers_serving_layer_drives_a_cbcore_manager() -> None:
-    """transformers' own `CBGenerateManager` (its `transformers serve` back end) runs unchanged on cbcore."""
-    from transformers.cli.serving.utils import CBGenerateManager
-
-    class Detokenizer:
-        def decode(self, ids, skip_special_tokens=True):
-            return " ".join(str(i) for i in ids)
-
-    model = cbcore.enable(tiny_model("llama_gqa"))
-    serving = CBGenerateManager(cbcore.ContinuousBatchingConfig(page_size=4))
-    config = greedy_config(5)
-    serving.init_cb(model, config)
-    assert isinstance(serving._cb, cbcore.ContinuousBatchingManager)
-    prompts = random_prompts([6, 9], seed=21)
-
-    async def serve_two():
-        return await asyncio.gather(*(
-            asyncio.wait_for(serving.generate_non_streaming(model, Detokenizer(), {"input_ids": prompt}, config,
-                                                            f"chat-{i}"), WAIT_S)
-            for i, prompt in enumerate(prompts)
-        ))
-
-    try:
-        assert serving.is_alive()
-        results = asyncio.run(serve_two())
-    finally:
-        serving.stop()
-    for (text, input_len, generated), prompt in zip(results, prompts):
-        assert input_len == len(prompt)
-        assert list(generated) == reference_tokens(model, prompt, config)
-        assert text == " ".join(str(i) for i in generated)
-    assert not serving._cb.is_running()
-
-
 def test_logit_processor_clear_turns_every_processor_off() -> None:
     """`manager.logit_processor` is what transformers' code reads; after `clear()` the sampler sees raw logits, so a
     repetition-penalised config generates what plain greedy does."""

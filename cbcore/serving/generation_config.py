@@ -20,10 +20,11 @@ SUPPORTED_GENERATION_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPL
 
 
 def prepare_generation_config(
-    model: torch.nn.Module, generation_config: GenerationConfig
+    model: torch.nn.Module, generation_config: GenerationConfig, per_request_processors: bool = False
 ) -> tuple[GenerationConfig, LogitsProcessorSwitch]:
     """`generation_config` as `model.generate` prepares it, and the switch over its logits processors (the manager's
-    `logit_processor`). Raises ValueError for a value transformers refuses, NotImplementedError for a generation mode
+    `logit_processor`; requests set their own sampling values with `per_request_processors` and a sampling config).
+    Raises ValueError for a value transformers refuses, NotImplementedError for a generation mode
     outside `SUPPORTED_GENERATION_MODES`."""
     try:
         # Not `prepared.validate()`: it refuses greedy num_return_sequences > 1, which transformers' continuous
@@ -35,7 +36,7 @@ def prepare_generation_config(
         processors = model._get_logits_processor(prepared, input_ids_seq_length=1, device=model.device)
     except (ValueError, TypeError) as error:
         raise ValueError(f"invalid GenerationConfig: {error}") from error
-    switch = LogitsProcessorSwitch(processors)
+    switch = LogitsProcessorSwitch(processors, per_request=per_request_processors and bool(prepared.do_sample))
     mode = prepared.get_generation_mode()
     if mode not in SUPPORTED_GENERATION_MODES:
         raise NotImplementedError(

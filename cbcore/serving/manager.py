@@ -50,6 +50,7 @@ from ..outputs import OutputRouter
 from ..requests import GenerationOutput, RequestState
 from ..runner import ModelRunner
 from ..scheduler import Scheduler
+from .batch_processor_view import BatchProcessorView
 from .generation_config import prepare_generation_config
 from .generation_loop import BackgroundThreadStatus, GenerationLoop, StopMode
 from .request_registry import RequestRegistry
@@ -95,7 +96,9 @@ class ContinuousBatchingManager(RequestSubmission, GenerationLoop):
         self.continuous_batching_config.check_supported(model.device)
         # The config exactly as `model.generate` prepares it (unset values from the model's generation config and
         # global defaults). Built now, as transformers builds its processors in its constructor.
-        prepared, self.logit_processor = prepare_generation_config(self.model, self.generation_config)
+        prepared, self.logit_processor = prepare_generation_config(
+            self.model, self.generation_config, self.continuous_batching_config.per_request_processors
+        )
         self._prepared_generation_config = prepared
         num_return_sequences = getattr(self.generation_config, "num_return_sequences", None)
         self.num_return_sequences = num_return_sequences if num_return_sequences is not None else 1
@@ -194,6 +197,13 @@ class ContinuousBatchingManager(RequestSubmission, GenerationLoop):
             tensor_parallel=self._tensor_parallel,
         )
         self._engine_needs_rebuild = False
+
+    @property
+    def batch_processor(self) -> BatchProcessorView | None:
+        """What transformers' serving layer reads of its manager's batch processor (the scheduler's active and waiting
+        requests, the cache's free capacity: `batch_processor_view.py`); None until the engine is built, as
+        transformers' attribute is None until its processor is."""
+        return BatchProcessorView(self.engine) if self.engine is not None else None
 
     @property
     def cache(self) -> PagedKVCache | None:
