@@ -4,7 +4,6 @@ it reads. Each waits with a timeout: nothing here can hang the suite."""
 
 from __future__ import annotations
 
-import asyncio
 import math
 import queue
 import threading
