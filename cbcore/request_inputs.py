@@ -225,11 +225,14 @@ def known_request_id(value: Any, what: str) -> str:
 
 
 def flag(value: Any, what: str) -> bool:
-    """True or False (a numpy bool too); TypeError naming `what` otherwise. Not read by truthiness: `None`, `0`, a
-    string or a tensor is a mistake to report, not a value to guess."""
+    """True or False (a numpy bool, or the ints 0 and 1, which older code passes for them: transformers reads these
+    flags by truthiness); TypeError naming `what` otherwise. `None`, another number, a string or a tensor is a mistake
+    to report, not a value to guess."""
     if isinstance(value, bool):
         return value
     if type(value).__name__ == "bool_" and type(value).__module__ == "numpy":
+        return bool(value)
+    if isinstance(value, numbers.Integral) and value in (0, 1):
         return bool(value)
     raise TypeError(f"{what} must be True or False, got {_shown(value)}")
 

@@ -230,6 +230,16 @@ def test_a_mixin_method_refuses_a_hostile_argument_and_the_manager_serves_on(
     assert_serves_exactly(served)
 
 
+def test_flags_take_the_ints_zero_and_one_that_older_code_passes_for_booleans(served: Served) -> None:
+    """transformers reads its flags by truthiness, so `streaming=0` is a valid call there and must stay one here."""
+    manager = served.manager
+    request_id = manager.add_request(PROMPT, streaming=0, record_timestamps=1)
+    output = manager.get_result(request_id, timeout=WAIT_S)
+    assert output.status == RequestStatus.FINISHED and output.generated_tokens == served.expected
+    assert len(output.timestamps) == len(output.generated_tokens)
+    assert_serves_exactly(served)
+
+
 def test_cancelling_an_unknown_str_id_is_ignored(served: Served) -> None:
     served.manager.cancel_request("never_added")
     assert_serves_exactly(served)
