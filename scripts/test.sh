@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install (scripts/install.sh), then run the C++ unit tests (CMake + GoogleTest, ctest) and the Python tests (pytest).
-# Tests marked `gpu` are skipped on machines without a CUDA device. Extra arguments go to pytest.
+# Tests marked `gpu` are skipped on machines without a CUDA device. Extra arguments go to pytest; without any, the
+# drop-in, parity and architecture-sweep tests run a second time on the other supported transformers release.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,4 +20,15 @@ cmake -S . -B build/cmake -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build/cmake -j "$(nproc)" >/dev/null
 ctest --test-dir build/cmake --output-on-failure
 
-"${CBCORE_VENV:-.venv}/bin/python" -m pytest -q "$@"
+PY="${CBCORE_VENV:-.venv}/bin/python"
+"$PY" -m pytest -q "$@"
+
+# A whole run (no arguments) then runs the drop-in, parity and architecture-sweep tests again on the other supported
+# transformers release (scripts/transformers_versions.sh), whose overlay install.sh put beside the venv.
+if [ "$#" -eq 0 ]; then
+    source scripts/transformers_versions.sh
+    PYTHONPATH="$OVERLAY${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest -q -p no:cacheprovider \
+        tests/test_transformers_parity.py tests/test_transformers_suite.py tests/test_transformers_serving.py \
+        tests/test_differences.py tests/test_parity.py tests/test_manager_api.py tests/test_hostile_arguments.py \
+        tests/test_model_support.py tests/test_architecture_sweep.py tests/test_trl_rollouts.py
+fi

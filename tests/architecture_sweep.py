@@ -1,4 +1,5 @@
-"""The architecture sweep: every decoder architecture of transformers 5.24, served by cbcore, against `model.generate`.
+"""The architecture sweep: every decoder architecture of the installed transformers (5.24 or 5.25), served by cbcore,
+against `model.generate`.
 
 For every model type in `MODEL_FOR_CAUSAL_LM_MAPPING` a tiny seeded model is built from a shrunk copy of its default
 config, a few prompts of different lengths are served through cbcore (small pages, a small step budget so that long
@@ -14,6 +15,7 @@ and the model is classified:
 Run it as a script to write the table:
 
     python tests/architecture_sweep.py --out docs/architecture_sweep.md [--jobs 2] [--only llama gpt2 ...]
+    PYTHONPATH=.venv/alt/transformers-5.25.0 python tests/architecture_sweep.py --out docs/architecture_sweep_5.25.md
 
 `tests/test_architecture_sweep.py` asserts that no model is WRONG or CRASH.
 """
@@ -501,8 +503,7 @@ def write_table(results: list[SweepResult], path: Path, seconds: float, jobs: in
         f"Counts: {', '.join(f'{k} {v}' for k, v in tally.items())}. Run time {seconds / 60:.1f} min with "
         f"{jobs} process(es) of one thread each on {os.cpu_count()} CPU cores.",
         "",
-        ("Reproduce: `python tests/architecture_sweep.py --compile --out docs/architecture_sweep_compiled.md --jobs 2`"
-         if compiled else "Reproduce: `python tests/architecture_sweep.py --out docs/architecture_sweep.md --jobs 2`"),
+        f"Reproduce: `{_reproduce_command(path, compiled)}`",
         "",
         "| model type | class | result | reason |",
         "|---|---|---|---|",
@@ -511,6 +512,18 @@ def write_table(results: list[SweepResult], path: Path, seconds: float, jobs: in
         lines.append(f"| {r.model_type} | {r.model_class} | {r.result} | {r.reason} |")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
+
+
+def _reproduce_command(path: Path, compiled: bool) -> str:
+    """The command that writes this table again: on the overlay of the other supported transformers release when it
+    is the one imported (scripts/transformers_versions.sh)."""
+    import transformers
+
+    overlay = Path(transformers.__file__).parent.parent
+    prefix = f"PYTHONPATH=.venv/alt/{overlay.name} " if overlay.name.startswith("transformers-") else ""
+    flag = "--compile " if compiled else ""
+    out = path.as_posix() if not path.is_absolute() else f"docs/{path.name}"
+    return f"{prefix}python tests/architecture_sweep.py {flag}--out {out} --jobs 2"
 
 
 def main(argv: list[str] | None = None) -> int:

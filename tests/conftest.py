@@ -26,6 +26,16 @@ from cbcore.requests import GenerationOutput
 # after it (cbcore/engine/core.py). A test that wants it off sets the variable itself.
 os.environ.setdefault("CBCORE_DEBUG", "1")
 
+
+
+def pytest_report_header(config) -> str:
+    """Which transformers the run tests against: the venv's, or the other supported release's overlay
+    (scripts/test.sh puts it in front with PYTHONPATH)."""
+    import transformers
+
+    return f"transformers {transformers.__version__} from {os.path.dirname(transformers.__file__)}"
+
+
 VOCAB = 96
 
 # Each entry: a tiny config with something to prove. Weights are seeded, so every run sees the same model.

@@ -1,6 +1,7 @@
 """Never silently wrong: every transformers architecture is served exactly (same greedy tokens as `model.generate`)
-or refused before serving anything, with an error naming the model. The harness is tests/architecture_sweep.py;
-the committed table is docs/architecture_sweep.md.
+or refused before serving anything, with an error naming the model, on every transformers version cbcore supports.
+The harness is tests/architecture_sweep.py; the committed tables are docs/architecture_sweep.md (transformers 5.24)
+and docs/architecture_sweep_5.25.md.
 
 A representative subset always runs in-process (a few seconds); the full sweep over every model type in
 `MODEL_FOR_CAUSAL_LM_MAPPING` takes about 1.5 minutes in two one-thread processes on a 2-core machine
@@ -12,8 +13,11 @@ from __future__ import annotations
 import os
 
 import pytest
+import transformers
 
 import architecture_sweep as sweep
+
+TRANSFORMERS = tuple(int(part) for part in transformers.__version__.split(".")[:2])
 
 # model type -> (expected result, a phrase of the reason). One per cause found by the sweep, plus the features
 # that must keep working (sliding windows, soft-capping, sinks, MLA, MoE).
@@ -36,7 +40,9 @@ REPRESENTATIVE = {
     "cpmant": (sweep.REFUSED, "position_ids"),  # positions computed elsewhere than a cache-length embedding
     "trocr": (sweep.REFUSED, "never called cbcore's attention"),  # its attention bypasses AttentionInterface
     "moshi": (sweep.REFUSED, "sliding_window"),  # the window lives only in the mask
-    "falcon": (sweep.REFUSED, "never called cbcore's attention"),  # attention outside AttentionInterface
+    "gpt_neo": (sweep.REFUSED, "never called cbcore's attention"),  # attention outside AttentionInterface
+    # transformers 5.25 moved Falcon's attention onto AttentionInterface: refused on 5.24, served exactly on 5.25.
+    "falcon": (sweep.SAME, "") if TRANSFORMERS >= (5, 25) else (sweep.REFUSED, "never called cbcore's attention"),
     "stablelm": (sweep.SAME, ""),  # a decoder layer drops the kwargs: the step travels in a thread-local too
     "bert": (sweep.SAME, ""),  # encoder_hidden_states=None reaches attention: no cross-attention
     "jetmoe": (sweep.SAME, ""),  # KV heads per layer read off a probe forward, not the config
