@@ -127,25 +127,13 @@ def package_dirs() -> tuple[list[str], dict[str, str]]:
 
 PACKAGES, PACKAGE_DIR = package_dirs()
 
+# Name, description, dependencies and extras are in pyproject.toml; what needs code (the version read from the
+# package, the package map, the extensions) is here.
 setup(
-    name="cbcore",
     version=read_version(),
-    description="Continuous batching for Hugging Face causal language models, with C++/CUDA and Triton hot paths",
-    long_description=(ROOT / "README.md").read_text(encoding="utf-8") if (ROOT / "README.md").exists() else "",
-    long_description_content_type="text/markdown",
-    python_requires=">=3.10",
     packages=PACKAGES,
     package_dir=PACKAGE_DIR,
     ext_modules=cpp_extensions() + cuda_extensions(),
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
-    install_requires=[
-        "torch==2.14.1",
-        "transformers==5.24.0",
-        "tqdm",
-        "numpy",
-        "psutil",
-    ],
-    # `pip install cbcore[serve]`: what `python -m cbcore serve` needs (cbcore/serving/server/).
-    extras_require={"serve": ["fastapi", "uvicorn", "prometheus_client"]},
     zip_safe=False,
 )
