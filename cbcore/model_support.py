@@ -273,7 +273,7 @@ def _attention_reasons(model: torch.nn.Module, config) -> list[str]:
 # ------------------------------------------------------------------------------------------ self-check ----
 
 # Models (by identity, with dtype and device) that passed the self-check; weights do not matter to it.
-_checked: weakref.WeakKeyDictionary[torch.nn.Module, set[tuple[torch.dtype, str]]] = weakref.WeakKeyDictionary()
+_checked: weakref.WeakKeyDictionary[torch.nn.Module, set[tuple[torch.dtype, str, str | None]]] = weakref.WeakKeyDictionary()
 
 
 def self_check_enabled() -> bool:
@@ -303,12 +303,14 @@ def self_check(model: torch.nn.Module, original_attn_implementation: str | None,
     (switched to, then back); None keeps the current one.
 
     Runs on a throwaway cache, scheduler and runner, so the manager's cache, allocator and counters are untouched.
-    Skipped for a model (and dtype, device) that passed before, unless `force`."""
+    Skipped for a model (and dtype, device, reference implementation) that passed before, unless `force`."""
     try:
         reference = reference_attn_implementation(original_attn_implementation)
     except ValueError as error:
         raise _unsupported(model, [str(error)]) from None
-    key = (model.dtype, str(model.device))
+    # The reference is part of the key: a model checked under one implementation and switched to another (eager to
+    # `paged|eager`, ...) is checked again against the new one's true function.
+    key = (model.dtype, str(model.device), reference)
     if not force and key in _checked.get(model, set()):
         return
     problem = _run_self_check(model, reference)
