@@ -272,8 +272,11 @@ def _attention_reasons(model: torch.nn.Module, config) -> list[str]:
 
 # ------------------------------------------------------------------------------------------ self-check ----
 
-# Models (by identity, with dtype and device) that passed the self-check; weights do not matter to it.
-_checked: weakref.WeakKeyDictionary[torch.nn.Module, set[tuple[torch.dtype, str, str | None]]] = weakref.WeakKeyDictionary()
+# Models (by identity, with dtype, device and reference implementation) that passed the self-check; weights do not
+# matter to it.
+_checked: weakref.WeakKeyDictionary[torch.nn.Module, set[tuple[torch.dtype, str, str | None]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def self_check_enabled() -> bool:
