@@ -44,10 +44,10 @@ def test_warmup_refuses_a_model_without_attention_heads() -> None:
 
 
 def test_a_self_check_refusal_leaves_the_model_as_it_was() -> None:
-    model = sweep.build_model("falcon")  # attention outside AttentionInterface: only the self-check can tell
+    model = sweep.build_model("gpt_neo")  # attention outside AttentionInterface: only the self-check can tell
     before = model.config._attn_implementation
     model_support.check_model_supported(model)  # structure alone does not refuse it
-    with pytest.raises(UnsupportedModelError, match="FalconForCausalLM.*self-check.*never called cbcore's attention"):
+    with pytest.raises(UnsupportedModelError, match="GPTNeoForCausalLM.*self-check.*never called cbcore's attention"):
         _manager(model).start()
     assert _untouched(model, before)
 
@@ -77,7 +77,7 @@ def test_the_self_check_leaves_cache_allocator_and_counters_untouched() -> None:
 
 
 def test_the_self_check_can_be_skipped_and_a_bad_value_raises(monkeypatch) -> None:
-    model = sweep.build_model("falcon")
+    model = sweep.build_model("gpt_neo")  # refused by the self-check alone
     monkeypatch.setenv(SELF_CHECK_ENV, "0")
     manager = _manager(model)
     manager.start()  # not checked: the caller took responsibility

@@ -179,7 +179,8 @@ def activation_bytes(model: torch.nn.Module, max_batch_tokens: int, max_requests
     logits for every emitting row (computed from the budgets; no [T, T] mask is ever built)."""
     config = model.config.get_text_config()
     element = torch.empty((), dtype=model.dtype).element_size()
-    intermediate = getattr(config, "intermediate_size", 4 * config.hidden_size)
+    # Some configs carry the field as None (GPT-Neo: "4 x hidden" by default), others not at all.
+    intermediate = getattr(config, "intermediate_size", None) or 4 * config.hidden_size
     per_token = (4 * config.hidden_size + 2 * intermediate) * element
     logits = max_requests * config.vocab_size * 4 * 2
     return max_batch_tokens * per_token + logits
