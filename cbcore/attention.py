@@ -41,7 +41,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import ops
-from .ops import custom_ops
 
 ATTENTION_NAME = "cbcore_paged"
 STEP_KWARG = "cbcore_step"
@@ -116,7 +115,7 @@ def _enter_cpu_step(step: Any):
     """Hand the step to the C++ CPU kernel of `torch.ops.cbcore.step_attention` (csrc/attention/
     cpu_step_attention.cpp) when its kernels are the C++ CPU ones; the extension to call `exit_cpu_step` on after, or
     None. A step of another kernel mode (the reference, CUDA) or device is left to the op's Python implementation."""
-    extension = custom_ops._cpu_step_extension()
+    extension = _cpu_step_extension()
     if extension is None:
         return None
     if isinstance(step, WarmupStep):
@@ -300,7 +299,7 @@ def paged_attention(
     step: StepMetadata | None = kwargs.pop(STEP_KWARG, None)
     # In a trace of cbcore's compiled step (cbcore/compiled_step.py) the step is not read here: the layer becomes one
     # opaque op that reads the step's batch layout when it runs, so no step's layout is baked into the graph
-    # (cbcore/ops/custom_ops.py says why).
+    # (the op's section at the end of this file says why).
     traced = tracing_compiled_step()
     if not traced:
         if step is None:
@@ -421,3 +420,62 @@ def register() -> str:
         AttentionMaskInterface.register(ATTENTION_NAME, _mask)
         _registered = True
     return ATTENTION_NAME
+
+
+# ---- One layer's whole step attention, for the compiled forward --------------------------------------------------
+# The compiled forward traces the model's Python (norms, RoPE, MLPs) but not the step's batch layout: which rows are
+# decode rows, the block tables, the CPU kernels' per-step plans. Those change every step, and as graph inputs they
+# would make every step's count of decode rows a guard (a recompile) or force tensors where the kernels take plans.
+# So one op per layer takes only what the layer computed (q, k, v: their token dimension is the graph's one dynamic
+# size) and what is fixed at its call site (layer, scale, window, softcap, sinks), and reads the rest from the step
+# the runner is executing (`current_step()`, set around the forward by `paged_step`), exactly as the eager
+# attention function does. It writes the layer's new K/V into that step's pages: pages the graph never sees (they are
+# not its inputs), so there is nothing for the compiler to order or functionalize around them.
+
+
+# Defined with torch.library's lower-level API rather than `custom_op`: the compiled graph calls it once per layer per
+# step, and `custom_op`'s Python wrapper (autograd redispatch, aliasing check, Dynamo guard) made a call cost 12.5 us
+# against 5.8 for the same op defined this way (a trivial body, measured on this project's CPU). It mutates nothing
+# the graph sees, returns a fresh tensor, and has no autograd formula (the engine runs under inference mode).
+_library = torch.library.Library("cbcore", "FRAGMENT")
+_library.define(
+    "step_attention(Tensor query, Tensor key, Tensor value, int layer, float scale, int? sliding_window=None, "
+    "float? softcap=None, Tensor? sinks=None) -> Tensor"
+)
+
+
+def _cpu_step_extension():
+    """cbcore._C when it carries the C++ CPU kernel of `step_attention` (a stale build may not), else None."""
+    try:
+        from . import _C
+    except ImportError:
+        return None
+    return _C if hasattr(_C, "enter_cpu_step") else None
+
+
+def step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float,
+                   sliding_window: int | None = None, softcap: float | None = None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Layer `layer`'s attention in the current cbcore step: query `[1, heads, T, d]`, key/value `[1, kv_heads, T,
+    d]` / `[1, kv_heads, T, d_v]` (transformers' layout) -> `[1, T, heads, d_v]`. Raises RuntimeError outside a step.
+    The implementation of `torch.ops.cbcore.step_attention` on every device."""
+    step = current_step()
+    if step is None:
+        raise RuntimeError("torch.ops.cbcore.step_attention ran outside a cbcore step (paged_step was not entered)")
+    if isinstance(step, WarmupStep):  # compiling ahead: no cache to attend over
+        return step.attention(query, value)
+    return run_step_attention(step, layer, query, key, value, scale, sliding_window, softcap, sinks)
+
+
+_library.impl("step_attention", step_attention, "CompositeExplicitAutograd")
+# On the CPU the op's kernel is C++ (csrc/attention/cpu_step_attention.cpp): inside a step whose context
+# paged_step entered it runs the kernels itself, ~60-80 us a layer less than this body; what it does
+# not take it hands back to this function.
+_step_extension = _cpu_step_extension()
+if _step_extension is not None:
+    _step_extension.set_python_step_attention(step_attention)
+
+
+@torch.library.register_fake("cbcore::step_attention")
+def _(query, key, value, layer, scale, sliding_window=None, softcap=None, sinks=None):
+    return query.new_empty(1, query.shape[2], query.shape[1], value.shape[-1])

@@ -4,7 +4,7 @@ carry a prefill (varlen) and one for decode-only steps, as transformers' continu
 What is compiled: `model(input_ids, position_ids, logits_to_keep)` and the logits it returns. Inside it everything
 the model does between attention calls (embeddings, norms, RoPE, MLPs, residual adds, the packed linears) is traced
 and fused by inductor; each layer's attention is one opaque custom op, `torch.ops.cbcore.step_attention`
-(cbcore/ops/custom_ops.py), which reads the step's batch layout (decode rows, block tables, the CPU kernels' plans)
+(cbcore/attention.py), which reads the step's batch layout (decode rows, block tables, the CPU kernels' plans)
 from the step being executed when it runs. Nothing of a step's layout is a graph input, so the only size that varies
 between steps is the token count (and the count of emitting rows), marked dynamic: after warm-up no step recompiles.
 
@@ -50,7 +50,7 @@ import torch
 from transformers.generation.configuration_utils import CompileConfig
 
 from . import attention
-from .ops import custom_ops  # noqa: F401 - registers torch.ops.cbcore.step_attention
+from .ops import custom_ops  # noqa: F401 - registers the kernels' ops (torch.ops.cbcore.cache_write, ...)
 from .positions import TRACED_POSITIONS
 from .structure_fingerprint import structure_fingerprint
 from .switches import env_switch

@@ -7,7 +7,7 @@
 // C++, reading the step's batch layout from a thread-local context that cbcore.attention.paged_step sets once per
 // step (`enter_cpu_step`) instead of from Python.
 //
-// What it does not take it hands to the op's Python implementation (cbcore/ops/custom_ops.py), which gives the same
+// What it does not take it hands to the op's Python implementation (cbcore/attention.py), which gives the same
 // results and the errors users see: no context on this thread (a step of another kernel mode, or outside a step),
 // dtypes or head dims the kernels do not take, a soft-cap that is not a positive finite number, sinks that are not
 // one floating-point logit per query head. While the step is compiled ahead (`enter_warmup_step`) each layer answers
@@ -70,7 +70,7 @@ struct CpuStep {
 // Per thread: the manager's loop thread steps one engine; a test's thread may step another meanwhile.
 thread_local CpuStep current_step;
 
-// The op's Python implementation, handed over by cbcore/ops/custom_ops.py; never freed (it lives as long as the
+// The op's Python implementation, handed over by cbcore/attention.py; never freed (it lives as long as the
 // process's interpreter, and a destructor at exit would run after the interpreter is gone).
 py::object* python_step_attention = nullptr;
 
@@ -85,7 +85,7 @@ at::Tensor python_fallback(const at::Tensor& query, const at::Tensor& key, const
                            double scale, std::optional<int64_t> window, std::optional<double> softcap,
                            const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(python_step_attention != nullptr,
-              "cbcore::step_attention: its Python implementation is not registered (import cbcore.ops first)");
+              "cbcore::step_attention: its Python implementation is not registered (import cbcore.attention first)");
   py::gil_scoped_acquire gil;
   py::object result = (*python_step_attention)(query, key, value, layer, scale, window, softcap, sinks);
   return result.cast<at::Tensor>();
