@@ -42,12 +42,20 @@ from .swap import HostSwap
 
 @dataclass(frozen=True)
 class PrefixHit:
-    """What `PagedKVCache.peek_prefix` found for a waiting request: the shared blocks, how many of them nobody holds
-    now (they stop being available once taken), and the block lookups the walk made (hits and the final miss)."""
+    """What `PagedKVCache.peek_prefix` found for a waiting request: the shared device blocks, how many of them nobody
+    holds now (they stop being available once taken), the block lookups the walk made (hits and the final miss), and
+    how many blocks after them the host tier keeps (each comes back into a fresh device block at admission, so the
+    admission must count it among the blocks it takes)."""
 
     blocks: tuple[int, ...]
     num_unused: int
     lookups: int
+    num_host_blocks: int = 0
+
+    @property
+    def num_blocks(self) -> int:
+        """Leading prompt blocks the request skips computing: shared on the device or brought back from the host."""
+        return len(self.blocks) + self.num_host_blocks
 
 
 # Below this many bytes a CPU cache tensor is zeroed by torch as usual (an mmap per small tensor buys nothing).
@@ -160,22 +168,41 @@ class PagedKVCache:
         blocks = tuple(self.allocator.peek_prefix(state.all_tokens, max_blocks))
         unused = sum(1 for block in blocks if self.allocator.refcount(block) == 0)
         lookups = min(len(blocks) + 1, max_blocks)  # every hit, and the miss that ended the walk
-        return PrefixHit(blocks, unused, lookups)
+        return PrefixHit(blocks, unused, lookups, self._host_tier_blocks_after(state, len(blocks), max_blocks))
+
+    def _host_tier_blocks_after(self, state: RequestState, num_device_blocks: int, max_blocks: int) -> int:
+        """How many of the request's blocks right after its first `num_device_blocks` the host tier keeps, up to
+        `max_blocks` in all (a pure walk of the tier's trie: nothing is taken or touched)."""
+        if self.swap is None or not self.swap.tier.num_blocks:
+            return 0
+        page = self.page_size
+        tokens = state.all_tokens
+        node = self.swap.tier.walk([tuple(tokens[i * page : (i + 1) * page]) for i in range(num_device_blocks)])
+        count = 0
+        while node is not None and num_device_blocks + count < max_blocks:
+            index = num_device_blocks + count
+            node = node.children.get(tuple(tokens[index * page : (index + 1) * page]))
+            if node is None or node.host_block is None:
+                break
+            count += 1
+        return count
 
     def can_admit(self, hit: PrefixHit, num_tokens: int) -> bool:
-        """Whether a request sharing `hit` can have `num_tokens` tokens: the fresh blocks it needs must be available
-        once the hit's unused blocks (available now) are taken."""
+        """Whether a request sharing `hit` can have `num_tokens` tokens: the fresh blocks it needs (the host tier's
+        blocks it brings back among them) must be available once the hit's unused blocks (available now) are taken."""
         missing = self.blocks_for(num_tokens) - len(hit.blocks)
         return missing <= 0 or missing <= self.allocator.num_available - hit.num_unused
 
     def take_prefix(self, state: RequestState, hit: PrefixHit) -> int:
-        """Admit the request onto its prefix hit: reference the shared blocks, count the lookup, and extend the
-        match with blocks the host tier kept (copied back this step). Returns the prompt tokens it skips."""
+        """Admit the request onto its prefix hit: reference the shared blocks, count the lookup, and bring back the
+        hit's blocks from the host tier (copied back this step). Returns the prompt tokens it skips: at most
+        `hit.num_blocks` blocks' worth (fewer when making room for one of them evicted a block into the tier and
+        that took back a tier block the hit counted), never more than the admission reserved blocks for."""
         self.allocator.take_prefix(list(hit.blocks), hit.lookups)
         state.block_table = list(hit.blocks)
         state.num_committed_blocks = len(hit.blocks)
-        if self.swap is not None and self.swap.tier.num_blocks and hit.lookups:
-            self._bring_back_from_host(state, (state.num_tokens - 1) // self.page_size)
+        if hit.num_host_blocks:
+            self._bring_back_from_host(state, hit.num_blocks)
         state.num_computed_tokens = len(state.block_table) * self.page_size
         return state.num_computed_tokens
 
@@ -189,7 +216,7 @@ class PagedKVCache:
             index = len(state.block_table)
             block_tokens = tuple(tokens[index * page : (index + 1) * page])
             child = node.children.get(block_tokens)
-            if child is None or child.host_block is None or self.allocator.num_available < 1:
+            if child is None or child.host_block is None:
                 return
             host_block = self.swap.tier.take(child)
             (device_block,) = self._allocate(1)

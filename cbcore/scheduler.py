@@ -241,15 +241,16 @@ class Scheduler:
                     break
                 self.cache.swap_in(state, state.num_computed_tokens + num_tokens)
             else:
-                # A pure lookup: nothing is referenced or counted unless the request is admitted now.
+                # A pure lookup: nothing is referenced or counted unless the request is admitted now. The hit counts
+                # the host tier's blocks too: each comes back into a fresh device block, which the admission reserves.
                 hit = self.cache.peek_prefix(state)
-                shared = len(hit.blocks) * self.cache.page_size
-                num_tokens = min(self._tokens_before_fork(state) - shared, token_budget)
-                if not self.cache.can_admit(hit, shared + num_tokens):
+                shared = hit.num_blocks * self.cache.page_size
+                end = shared + min(self._tokens_before_fork(state) - shared, token_budget)
+                if not self.cache.can_admit(hit, end):
                     break  # it waits at the head of the queue; the next step looks again
                 hit_tokens = self.cache.take_prefix(state, hit)
-                # The host tier may have brought back more blocks than the peek saw: fewer tokens left to run.
-                num_tokens = min(self._tokens_before_fork(state), token_budget)
+                # Never past the end reserved for: the take may skip fewer tokens than the peek saw.
+                num_tokens = min(end - state.num_computed_tokens, token_budget)
                 self.cache.grow(state, state.num_computed_tokens + num_tokens)
             self.waiting.remove(state)
             self.num_prefix_hit_tokens += hit_tokens

@@ -205,3 +205,64 @@ def test_a_block_evicted_into_the_host_tier_and_reused_by_a_fork_keeps_its_old_k
     assert torch.all(cache.key_caches[0][brought_back] == 7.0) and torch.all(cache.value_caches[0][brought_back] == 7.0)
     cache.release(again)
     cache.check([])
+
+
+def _scheduler_with_a_prefix_in_the_host_tier():
+    """A cache of 8 blocks whose 2-block prefix was evicted into the host tier, 5 blocks held by another request (3
+    available), and a scheduler of 8 tokens a step over it; returns (cache, scheduler, the holder, the prefix)."""
+    import torch
+
+    from cbcore.cache import PagedKVCache
+    from cbcore.cache_shape import CacheShape
+    from cbcore.requests import RequestState
+    from cbcore.scheduler import FifoOrder, Scheduler
+
+    cache = PagedKVCache(CacheShape(1, 1, 8, torch.float32), num_blocks=8, page_size=4, device=torch.device("cpu"))
+    cache.enable_swap(num_host_blocks=8)
+
+    def holding(request_id: str, tokens: list[int], computed: bool) -> RequestState:
+        state = RequestState(request_id=request_id, initial_tokens=tokens, max_new_tokens=4)
+        cache.grow(state, len(tokens))
+        if computed:
+            state.num_computed_tokens = len(tokens)
+            cache.commit_full_blocks(state)
+        return state
+
+    prefix = list(range(1, 9))
+    cache.release(holding("owner", prefix, computed=True))  # its two blocks cached, unused
+    cache.release(holding("filler", [50] * 32, computed=False))  # took all 8 blocks: the prefix went to the host tier
+    cache.take_copies()
+    holder = holding("holder", [60] * 20, computed=False)
+    assert cache.swap.tier.num_blocks == 2 and cache.allocator.num_available == 3
+    scheduler = Scheduler(cache, FifoOrder(), max_batch_tokens=8, max_requests_per_batch=8, safety_margin=0.0)
+    return cache, scheduler, holder, prefix
+
+
+def test_a_prefix_in_the_host_tier_counts_in_the_admission_of_the_blocks_it_comes_back_into() -> None:
+    """Its 2 blocks come back into fresh device blocks, and the 8 tokens after them need 2 more: 4 in all, with 3
+    available, so the request waits. Admitting it on the device hit alone (none) and then running a full budget past
+    the brought-back blocks asked the allocator for blocks nobody had reserved, and the loop died."""
+    from cbcore.requests import RequestState
+
+    cache, scheduler, holder, prefix = _scheduler_with_a_prefix_in_the_host_tier()
+    later = RequestState(request_id="later", initial_tokens=prefix + list(range(20, 32)), max_new_tokens=4)
+    hit = cache.peek_prefix(later)
+    assert (hit.blocks, hit.num_host_blocks) == ((), 2)
+    scheduler.add(later)
+    batch = scheduler.schedule()
+    assert batch.requests == [] and scheduler.waiting[0] is later
+    assert later.block_table == [] and cache.swap.tier.num_blocks == 2  # nothing taken
+    cache.check([holder, later])
+
+
+def test_a_prefix_brought_back_from_the_host_tier_runs_the_token_budget_after_it() -> None:
+    from cbcore.requests import RequestState
+
+    cache, scheduler, holder, prefix = _scheduler_with_a_prefix_in_the_host_tier()
+    cache.release(holder)
+    later = RequestState(request_id="later", initial_tokens=prefix + list(range(20, 32)), max_new_tokens=4)
+    scheduler.add(later)
+    (item,) = scheduler.schedule().requests
+    assert later.num_computed_tokens == 8 and item.num_tokens == 8  # tokens 8..15: the budget after the prefix
+    assert len(later.block_table) == 4 and cache.swap.tier.counters["host_tier_hits"] == 2
+    cache.check([later])
