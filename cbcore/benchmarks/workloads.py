@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from cbcore.benchmarks.models import RANDOM_LLAMA, RANDOM_LLAMA_NAME, model_folder
-from cbcore.cli import DEFAULT_PROMPTS
+from cbcore.cli.prompts import DEFAULT_PROMPTS
 
 # 32 short chat prompts for W4: the CLI's 8 built-in ones, then questions, tasks and rewrites of varied length, so
 # that answers end at EOS at different points.

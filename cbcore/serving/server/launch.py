@@ -20,6 +20,8 @@ import signal
 import time
 from typing import Any, TextIO
 
+from cbcore.cli.options import UsageError, build_cb_config
+
 EXIT_OK, EXIT_ENGINE_DIED, EXIT_USAGE = 0, 1, 2
 
 
@@ -37,7 +39,6 @@ def serving_generation_config(model: Any):
 def build_manager(model: Any, args: argparse.Namespace):
     """The server's manager (not started)."""
     import cbcore
-    from cbcore.cli import UsageError, build_cb_config
 
     if args.max_queue_size < 0:
         raise UsageError(f"--max-queue-size must be >= 0, got {args.max_queue_size}")
@@ -66,7 +67,6 @@ def serve(args: argparse.Namespace, stderr: TextIO) -> int:
     import uvicorn
     from transformers.utils import logging as hf_logging
 
-    from cbcore.cli import UsageError
     from cbcore.default_model import DEFAULT_MODEL_NAME, ModelLoadError, load_model_and_tokenizer
     from cbcore.distributed.launch import serve_follower, tensor_parallel_load_kwargs, torchrun_world_size
 
