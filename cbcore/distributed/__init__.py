@@ -8,7 +8,6 @@ sends each step to the others.
 | `channel.py` | `StepChannel`: the exchange every message is (header of kinds and per-rank flags, payload, errors) |
 | `wire.py` | a `StepPlan` / `BlockCopies` as one int64 tensor |
 | `driver.py` | `DriverRunner` (every copy and forward sent first) and `DriverLink` (heartbeats, pause, start, stop) |
-| `follower.py` | the loop of the other ranks: run what the driver sends |
 | `pause.py` | `pause()` across the group |
 | `launch.py` | `torchrun ... -m cbcore`: the sharded model, the driver prints or serves, the others run its steps |
 | `errors.py` | `TensorParallelError`, the group's failure (never one request's) |
