@@ -20,7 +20,7 @@ from transformers.generation.continuous_batching.utils import WorkloadHints
 from . import request_inputs
 from .config import ContinuousBatchingConfig
 from .linear import release_packed
-from .manager import ContinuousBatchingManager
+from .serving.manager import ContinuousBatchingManager
 from .requests import GenerationOutput
 
 logger = logging.getLogger("cbcore")

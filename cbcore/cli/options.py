@@ -50,7 +50,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 def build_cb_config(args: argparse.Namespace, **overrides: Any):
     """cbcore.ContinuousBatchingConfig with only the fields given on the command line (and `overrides`); the rest
     keep their default."""
-    import cbcore
+    from cbcore.config import ContinuousBatchingConfig
 
     fields = {
         "page_size": args.page_size,
@@ -65,6 +65,6 @@ def build_cb_config(args: argparse.Namespace, **overrides: Any):
         fields["allow_block_sharing"] = False
     fields.update(overrides)
     try:
-        return cbcore.ContinuousBatchingConfig(**fields)
+        return ContinuousBatchingConfig(**fields)
     except ValueError as error:
         raise UsageError(f"bad engine settings: {error}") from error

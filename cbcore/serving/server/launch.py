@@ -38,14 +38,14 @@ def serving_generation_config(model: Any):
 
 def build_manager(model: Any, args: argparse.Namespace):
     """The server's manager (not started)."""
-    import cbcore
+    from cbcore.serving.manager import ContinuousBatchingManager
 
     if args.max_queue_size < 0:
         raise UsageError(f"--max-queue-size must be >= 0, got {args.max_queue_size}")
     cb_config = build_cb_config(args, per_request_processors=True, return_logprobs=True,
                                 max_queue_size=args.max_queue_size)
     try:
-        manager = cbcore.ContinuousBatchingManager(model, serving_generation_config(model), cb_config)
+        manager = ContinuousBatchingManager(model, serving_generation_config(model), cb_config)
     except (ValueError, NotImplementedError) as error:
         raise UsageError(f"cannot serve this model: {error}") from error
     return manager
