@@ -9,10 +9,11 @@ and passed through the forward's kwargs (transformers hands unknown kwargs down 
 The mask function registered under the same name returns None during cbcore's steps, so transformers never builds
 an attention mask for them.
 
-Attention kwargs (DESIGN.md §5: nothing is silently ignored). In a step, `sliding_window`, `softcap` (logit
-soft-capping: Gemma-2) and `s_aux` (attention sinks: GPT-OSS) go to the kernels; the kwargs in `IGNORED_KWARGS` are
-known to change nothing about attention (each with the reason); any other kwarg, or a value cbcore cannot honour
-(`is_causal=False`, `output_attentions=True`, dropout > 0), raises an error naming it rather than being dropped.
+Attention kwargs (docs/design.md, "Kernels and their dispatch": nothing is silently ignored). In a step,
+`sliding_window`, `softcap` (logit soft-capping: Gemma-2) and `s_aux` (attention sinks: GPT-OSS) go to the kernels; the
+kwargs in `IGNORED_KWARGS` are known to change nothing about attention (each with the reason); any other kwarg, or a
+value cbcore cannot honour (`is_causal=False`, `output_attentions=True`, dropout > 0), raises an error naming it rather
+than being dropped.
 
 Outside cbcore's steps (a user's own forward, `model.generate`, a training step while a manager is attached) the
 model's own attention runs, so the model stays usable while cbcore holds it: a model that had "eager" runs its own

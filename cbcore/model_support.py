@@ -1,9 +1,10 @@
 """Can cbcore serve this model exactly? Decided before the first request, never guessed.
 
 cbcore runs a transformers model's own forward over a packed, padding-free batch and replaces only its attention
-(DESIGN.md §8). That is exact for a model whose every layer attends through transformers' `AttentionInterface`, once
-per forward, with the positions and the kwargs cbcore hands down, and whose only per-request state is K/V. Anything
-else gives wrong tokens without an error, so it must be refused. Two lines of defence:
+(docs/design.md, "What cbcore relies on in transformers"). That is exact for a model whose every layer attends through
+transformers' `AttentionInterface`, once per forward, with the positions and the kwargs cbcore hands down, and whose
+only per-request state is K/V. Anything else gives wrong tokens without an error, so it must be refused. Two lines of
+defence:
 
 1. `check_model_supported(model)`: structural checks, before the model is touched or the engine built. It reads the
    model's modules, signatures and config, not a list of model names. Refused, each with its reason:

@@ -2,7 +2,7 @@
 
 transformers keeps one `queue.Queue` and, when `get_result(request_id)` pops someone else's result, puts it back and
 returns None at once. cbcore's `get_result(request_id, timeout)` instead waits (up to the timeout) for a result of
-*that* request, leaving the others in place and in order (DESIGN.md §7).
+*that* request, leaving the others in place and in order (the README's "Differences from transformers").
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 `GenerationOutput` and `RequestStatus` mirror transformers 5.24 (`transformers.generation.continuous_batching.requests`)
 field for field and value for value. cbcore adds one status, `CANCELLED = 5`: transformers emits nothing for a
-cancelled request, so a streaming reader waits forever (DESIGN.md §7).
+cancelled request, so a streaming reader waits forever (the README's "Differences from transformers").
 
 `RequestState` is the engine's view of one request. Its token bookkeeping is deliberately simple (nano-vllm style):
 `all_tokens` is the prompt followed by every generated token, and `num_computed_tokens` says how many of them already

@@ -1,5 +1,5 @@
-"""Attention features transformers models pass in their attention kwargs, end to end (DESIGN.md §5: honoured by
-every backend or refused, never ignored).
+"""Attention features transformers models pass in their attention kwargs, end to end (docs/design.md, "Kernels and their
+dispatch": honoured by every backend or refused, never ignored).
 
 - Logit soft-capping (`softcap`): a tiny Gemma-2 with `attn_logit_softcapping` small enough to bend its scores.
 - Attention sinks (`s_aux`): a tiny GPT-OSS (MoE, 4 experts) whose sink logits are scaled up so they take a real share

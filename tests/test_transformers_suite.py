@@ -10,8 +10,8 @@ Cases a port adds beyond its original's say so and are not counted. Each origina
   TinyLlama / Qwen2.5 / Gemma checkpoints (for continuous batching with `paged|` + the attention, `paged|eager`
   included, and for the reference without it) and compare with a padded `model.generate`; the ports use the suite's tiny
   seeded fp32 models (conftest.py, plus a tiny Gemma-2 and Gemma-3 here) and compare with `model.generate` run on
-  each prompt alone (no padding, so greedy tokens must be equal and log-probabilities agree to 1e-5). Where DESIGN.md
-  §7 or the README's Differences table says cbcore deliberately differs (the attention switched at `start()` rather
+  each prompt alone (no padding, so greedy tokens must be equal and log-probabilities agree to 1e-5). Where the README's
+  Differences table says cbcore deliberately differs (the attention switched at `start()` rather
   than in the constructor, offload without a GPU, history-aware processors seeing the real history, soft-capping
   honoured), the port tests cbcore's documented behaviour and its docstring says so.
 - a skip that says why: the original needs a GPU, flash-attn, the `kernels` hub kernels, several GPUs, CUDA graphs,
@@ -241,8 +241,9 @@ SKIPPED_ORIGINALS = [
      f"{PRIVATE} tests/test_requests_and_memory.py (PagedAttentionCache.count_storable_requests over sectors; "
      "cbcore's admission under its budgets: test_steps_respect_token_and_request_budgets)"),
     ("test_distributed_helper_no_dist",
-     "private internal of transformers (distributed.DistributedHelper without torch.distributed); cbcore has no "
-     "tensor parallelism yet (DESIGN.md §11 is a target), so there is no equivalent to test"),
+     "private internal of transformers (distributed.DistributedHelper without torch.distributed); cbcore's "
+     "tensor parallelism is built differently (docs/design.md, 'Tensor parallelism'), so there is no "
+     "equivalent to test"),
     ("test_pause_on_a_peer_initiated_pause",
      "private internal of transformers (BackgroundThreadStatus driven by a fake loop): a pause started by another "
      "tensor-parallel rank, which a single-rank manager cannot reach; cbcore's pause is tested in "
@@ -324,7 +325,7 @@ def test_history_and_length_aware_processors_equal_independent_generation(proces
     """Original: test_full_history_logits_processors_match_independent_generation (its 8 sub-tests), which feeds
     synthetic scores to transformers' private processor list; here the same processors, set in the GenerationConfig,
     run end to end. Each request's tokens equal `model.generate` on its prompt alone (a 1-token prompt is included,
-    where the forced BOS applies). cbcore applies them with each request's real history (DESIGN.md §7)."""
+    where the forced BOS applies). cbcore applies them with each request's real history (README, Differences)."""
     model = tiny_model("llama_gqa")
     prompts = random_prompts([1, 9, 23], seed=100)
     free = reference_tokens(model, prompts[1], greedy_config(12))
@@ -364,7 +365,7 @@ def test_processors_apply_in_the_order_generate_builds_them() -> None:
 ])
 def test_history_dependent_processors_give_generates_tokens(name: str, settings: dict) -> None:
     """Original: test_continuous_batching_history_dependent_logits_processor (3 cases). transformers 5.24 drops these
-    processors unless told otherwise; cbcore applies them as `model.generate` does (DESIGN.md §7)."""
+    processors unless told otherwise; cbcore applies them as `model.generate` does (README, Differences)."""
     model = tiny_model("qwen2")
     config = greedy_config(20)
     config.update(**settings)
@@ -647,7 +648,7 @@ def test_long_generation_equals_generate() -> None:
 def test_gemma2_with_soft_capping_and_sliding_layers_equals_generate(use_cuda_graph: bool, use_compile: bool) -> None:
     """Original: test_continuous_batching_diverse_models (google/gemma-2-2b-it with flash-attn 2, 4 cases). A tiny
     Gemma-2: sliding and full layers, logit soft-capping (which transformers' paged path ignores and cbcore honours,
-    DESIGN.md §7). Eager is the attention transformers gives Gemma-2 on the CPU, so the model is loaded with
+    README, Differences). Eager is the attention transformers gives Gemma-2 on the CPU, so the model is loaded with
     `paged|eager` as the original loads `paged|flash_attention_2`, and the reference is `model.generate` with eager."""
     model = tiny_gemma2()
     load_for_continuous_batching(model, "eager")
@@ -754,8 +755,8 @@ def test_few_blocks_with_repeated_prompts_and_prefix_sharing_equal_generate() ->
 
 def test_offloading_to_host_memory_keeps_outputs_without_a_gpu() -> None:
     """Original: test_cpu_offloading_parity (@require_torch_accelerator: transformers pins its host pool through CUDA
-    and raises at start-up without a GPU; cbcore offloads to plain host memory, DESIGN.md §7). Preempted requests are
-    swapped out and back in, and outputs are unchanged."""
+    and raises at start-up without a GPU; cbcore offloads to plain host memory, README, Differences). Preempted requests
+    are swapped out and back in, and outputs are unchanged."""
     stats = _serve_under_pressure(cpu_offload_space=1.0).stats()
     assert stats["swap_outs"] > 0 and stats["swap_ins"] == stats["swap_outs"]
 
@@ -1085,7 +1086,7 @@ def test_stop_from_another_thread_waits_for_the_pause_to_be_released() -> None:
 
 class _LoopKiller(BaseException):
     """Stands for a fatal error in the loop (a BaseException: an ordinary Exception in a step fails only its
-    requests, DESIGN.md §6)."""
+    requests, docs/design.md, "Threads")."""
 
 
 def _pause_in_thread(manager) -> tuple[bool, BaseException | None]:
@@ -1155,8 +1156,8 @@ def test_pause_raises_when_the_loop_cannot_pause(state: str) -> None:
 def test_cancelling_a_streaming_request_stops_it_early_with_one_cancelled_output() -> None:
     """The single-rank part of test_continuous_batching_tp_cancellation (whose tensor-parallel part is skipped above):
     a streaming request cancelled after its third chunk stops well before `max_new_tokens`. cbcore differs
-    deliberately (DESIGN.md §7): the request ends with one terminal output, CANCELLED, where transformers' stream just
-    stops (its reader times out with None); after it, nothing more comes, and its blocks are freed."""
+    deliberately (README, Differences): the request ends with one terminal output, CANCELLED, where transformers'
+    stream just stops (its reader times out with None); after it, nothing more comes, and its blocks are freed."""
     model = tiny_model("llama_gqa")
     max_new_tokens = 200
     manager = started(model, greedy_config(max_new_tokens, eos_token_id=VOCAB - 1), page_size=16)

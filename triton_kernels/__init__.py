@@ -1,5 +1,5 @@
 """cbcore's Triton kernels, installed as `cbcore.triton_kernels` (never as a top-level `triton_kernels`: that name
-belongs to other projects, Triton ships one). See DESIGN.md §2 and §5.
+belongs to other projects, Triton ships one). See docs/design.md, "Kernels and their dispatch".
 
 - `prefill.prefill_attention`: packed (varlen) causal prefill attention over the paged KV cache, with GQA and
   sliding windows; the CUDA path behind `cbcore.ops.prefill_attention`.

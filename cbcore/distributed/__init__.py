@@ -1,6 +1,6 @@
-"""Tensor parallelism over torch.distributed (DESIGN.md §11): one engine per rank of the tensor-parallel group
-transformers loaded the model over; rank 0, the driver, takes the requests, schedules, samples and delivers, and
-sends each step to the others.
+"""Tensor parallelism over torch.distributed (docs/design.md, "Tensor parallelism"): one engine per rank of the
+tensor-parallel group transformers loaded the model over; rank 0, the driver, takes the requests, schedules, samples and
+delivers, and sends each step to the others.
 
 | module | one job |
 |---|---|

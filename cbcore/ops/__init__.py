@@ -1,5 +1,6 @@
-"""One Python face per kernel (DESIGN.md §5): `cache_write`, `decode_attention`, `prefill_attention`. Each picks its
-implementation from the tensors' device, behind the same signature, so the attention function never knows which ran.
+"""One Python face per kernel: `cache_write`, `decode_attention`, `prefill_attention`. Each picks its implementation
+from the tensors' device, behind the same signature, so the attention function never knows which ran. Which
+implementation runs where, and why the kernels are built as they are: docs/design.md, "Kernels and their dispatch".
 
 Shapes (every implementation takes exactly these flat tensors, nothing else):
     k_cache, v_cache: [num_blocks, page_size, num_kv_heads, head_dim], one pair per layer; V's head dim (v_head_dim)
@@ -21,19 +22,12 @@ Attention features (every implementation takes them; the reference is the specif
 Scores, softmax and the weighted sum run in fp32 in every implementation, whatever the storage dtype (GPT-OSS's eager
 runs its softmax in the model's dtype; in bf16 cbcore is therefore the more accurate of the two).
 
-Dispatch (`CBCORE_KERNELS=auto`, the default):
-
-| tensors | cache_write | decode_attention | prefill_attention |
-|---|---|---|---|
-| CUDA | `cbcore._cuda` | `cbcore._cuda` (deterministic split when `torch.use_deterministic_algorithms(True)`) | Triton (`cbcore.triton_kernels`) |
-| CPU  | C++ (`cbcore._C`) | C++ (`cbcore._C`) | C++ (`cbcore._C`) |
-
-Each falls back to the plain-torch reference below when its module did not build or import, and for inputs it does
-not take (every kernel takes softcap and sinks, so they never cause a fallback): the C++ CPU kernels need fp32/bf16/fp16
-caches, q in the cache's dtype and head dims (K's and V's) multiples of 8; the CUDA decode needs head dims 64/128/256
-(V's equal to K's) or K 192 / V 128, and a power-of-two page size; CUDA cache_write takes any fp32/bf16/fp16 shape with K and V
-pages of one shape, Triton prefill any fp32/bf16/fp16 shape (k/v are converted to the cache's dtype first, as the
-reference does).
+Fallbacks (`CBCORE_KERNELS=auto`, the default): each op falls back to the plain-torch reference below when its module
+did not build or import, and for inputs it does not take (every kernel takes softcap and sinks, so they never cause a
+fallback): the C++ CPU kernels need fp32/bf16/fp16 caches, q in the cache's dtype and head dims (K's and V's) multiples
+of 8; the CUDA decode needs head dims 64/128/256 (V's equal to K's) or K 192 / V 128, and a power-of-two page size; CUDA
+cache_write takes any fp32/bf16/fp16 shape with K and V pages of one shape, Triton prefill any fp32/bf16/fp16 shape (k/v
+are converted to the cache's dtype first, as the reference does).
 
 Plan once per step, run per layer: a step's block tables and lengths are the same for every layer, so the C++ CPU
 kernels take a plan (the work split, and the validation of every block-table entry) built on the first layer's call
@@ -41,19 +35,14 @@ and reused by every other (`StepKernelPlans`, one per step in its `StepMetadata`
 and the head shape, which may differ between layers). The planned kernels write into the caller's output (`out=`);
 the other backends' results are copied into it.
 
-Instruction sets (CPU): `cbcore._C` carries the CPU kernels compiled three times, portable (`generic`), `avx2`
-(AVX2+FMA+F16C) and AVX-512 (F/BW/VL/DQ), and picks the best this CPU runs when it loads: `avx512_amx` (the AVX-512
-copy with vdpbf16ps and, for the bf16 scores of the cascade's shared prefix and of prefills, AMX's bf16 tiles, where
-the CPU has them and Linux grants them), `avx512_bf16` (the AVX-512 copy using vdpbf16ps for bf16 dot products, where
-the CPU has AVX512-BF16), `avx512`, `avx2`, else `generic`.
-`CBCORE_CPU_ISA=generic|avx2|avx512|avx512_bf16|avx512_amx` forces one (read once, when cbcore.ops first loads the
-kernels; ValueError naming the variable when this CPU or build lacks it); `auto` or unset: the best.
+Instruction sets (CPU): `cbcore._C` picks the best copy of its kernels this CPU runs when it loads (the copies:
+docs/design.md, "The CPU attention kernels"). `CBCORE_CPU_ISA=generic|avx2|avx512|avx512_bf16|avx512_amx` forces one
+(read once, when cbcore.ops first loads the kernels; ValueError naming the variable when this CPU or build lacks it);
+`auto` or unset: the best.
 
-Cascade decode (CPU): a decode plan groups the requests whose block tables start with the same blocks (prefix sharing)
-and attends each group's shared prefix once, as a matrix over all their queries (csrc/attention/cpu_attention.cpp,
-find_cascade_groups, says when a group pays). `CBCORE_CASCADE_DECODE=0` plans every request alone (the plain decode:
-for comparisons, or to rule the cascade out); an engine reads it once, when it is built (as CBCORE_KERNELS), and a
-`StepKernelPlans` made without a value reads it then; ValueError for a value not on or off.
+Cascade decode (CPU; docs/design.md, "The CPU attention kernels"): `CBCORE_CASCADE_DECODE=0` plans every request alone
+(the plain decode: for comparisons, or to rule the cascade out); an engine reads it once, when it is built (as
+CBCORE_KERNELS), and a `StepKernelPlans` made without a value reads it then; ValueError for a value not on or off.
 
 `CBCORE_KERNELS=reference` runs the references everywhere. `cpu`, `cuda` and `triton` force one backend for the ops it
 implements (cpu: all three on CPU tensors; cuda: cache_write and decode on CUDA tensors; triton: prefill, on CUDA

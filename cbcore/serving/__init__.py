@@ -1,4 +1,5 @@
-"""Serving requests with continuous batching (DESIGN.md §2, §6, §10): the manager, and what sits in front of it.
+"""Serving requests with continuous batching (docs/design.md, "The layers", "Threads", "The server"): the manager, and
+what sits in front of it.
 
 | module | one job |
 |---|---|

@@ -21,7 +21,7 @@ on every rank, each built and started on every rank at once; the driver's (rank 
 the outputs, the others run its steps on their shard.
 
 Mirrors transformers 5.24's `ContinuousBatchingManager` (same constructor, methods, argument names and defaults);
-the differences are listed in the README and DESIGN.md §7.
+the differences are listed in the README, "Differences from transformers 5.24 and 5.25".
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 // causal prefill, all reading the pages in place through the block table.
 //
 // Semantics are those of the plain-torch references in cbcore/ops/reference.py (`*_reference`), which are the
-// specification; tests/test_kernels_cpu.py holds the two together. Shapes (DESIGN.md §5):
+// specification; tests/test_kernels_cpu.py holds the two together. Shapes (docs/design.md, "Kernels and their
+// dispatch"):
 //
 //   k_cache, v_cache  [num_blocks, page_size, num_kv_heads, head_dim], contiguous, fp32 / bf16 / fp16
 //   block_table       [batch, max_blocks] int32 (int64 accepted); entries past a request's length unread

@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP server behind `python -m cbcore serve` (DESIGN.md §10): FastAPI + uvicorn over one
-`ContinuousBatchingManager`.
+"""The OpenAI-compatible HTTP server behind `python -m cbcore serve` (docs/design.md, "The server"): FastAPI + uvicorn
+over one `ContinuousBatchingManager`.
 
 | module | one job |
 |---|---|
