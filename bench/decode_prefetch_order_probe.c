@@ -1,13 +1,14 @@
 // The paged decode's memory access on one core, in the read and prefetch orders bench/results/
-// decode_bandwidth_probe.md compares (stops 35 and 36). Reads 2 x 256 MiB laid out as the 128-dim fp32 cache (pages
-// of 16 tokens, or of the count given, a token's row 8 kv heads x 512 bytes = 4 KiB, pages shuffled). Additions
-// only, so what is timed is the memory system. Prints GB/s for each variant (best of 5 passes):
+// decode_bandwidth_probe.md compares (docs/performance_log.md, 2026-12-05 and 2026-12-07). Reads 2 x 256 MiB laid
+// out as the 128-dim fp32 cache (pages of 16 tokens, or of the count given, a token's row 8 kv heads x 512 bytes =
+// 4 KiB, pages shuffled). Additions only, so what is timed is the memory system. Prints GB/s for each variant
+// (best of 5 passes):
 //   sequential       the whole region front to back, no software prefetch (the hardware prefetchers' best case)
 //   none             the decode's order (per tile of 32 keys, per kv head, that head's 512 bytes of each of the
 //                    tile's 32 K rows, then of its 32 V rows), no software prefetch
 //   head order       the decode's order, beside each load one prefetch of the same columns of the next tile's row
 //   address          the decode's order, beside each load one prefetch of the next tile's rows in address order
-//                    (the decode since stop 35)
+//                    (the decode's order since 2026-12-05)
 //   rows             each row of the tile read whole (all heads) in turn, K's then V's, no software prefetch
 //   4-row groups     four rows at a time, per kv head that head's 512 bytes of each of the four (a decode that
 //                    scores four keys across the heads before the next four), no software prefetch

@@ -5,8 +5,8 @@ weights eight times (hot: from the last-level cache after the first layer), by r
     python bench/linear_hot_cold.py [--rows 16,32,64] [--rounds 9] [--threads 2]
 
 Prints one line per row count: median ms and GFLOP/s of each, interleaved rounds. Both end with the 512 -> 8192 head,
-which no layer shares (cold in both). Why: stops 36-37 tried larger register tiles that ran faster from L2 in a probe
-and not in a step; this says how far a step's linears are from the kernel's in-cache rate (README, "Stop 38").
+which no layer shares (cold in both). Why: larger register tiles ran faster from L2 in a probe and not in a step; this
+says how far a step's linears are from the kernel's in-cache rate (docs/performance_log.md, 2026-12-05).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 // The skinny matmul's fp32 inner loop (csrc/linear/skinny_gemm.cpp, TileF32) alone, on one core: what its
-// instruction mix reaches from L1 and from L2, for the tile shapes a call can take (stop 37, README). Per k a tile of
+// instruction mix reaches from L1 and from L2, for the tile shapes a call can take. Per k a tile of
 // MR rows x NB panels loads NB 64-byte weight lines and broadcasts MR values of x, feeding MR x NB 512-bit FMAs; the
 // kernel's own tiles add software prefetches. No prefetch here, so the L2 rows show what the hardware alone gives.
 // Prints GFLOP/s per shape, for K = 64 (x's block and the panels stay in L1) and K = 512 (they do not: a decode
@@ -7,9 +7,8 @@
 //
 //   c++ -O3 -march=native bench/skinny_tile_probe.cpp -o /tmp/tile_probe && /tmp/tile_probe
 //
-// On the Xeon with AMX of stops 36-37 a register-only loop of 512-bit FMAs reaches ~206 GFLOP/s a core; this probe
-// gave 165-181 from L1 for every shape and 104-156 from L2, and the kernel itself 140-164 in cache on one thread
-// (MR = 16, NB = 1 at 64 rows): the kernel is within ~10-15% of its instruction mix's rate there.
+// What it gave on a Xeon with AMX, against a register-only loop of FMAs and the kernel itself:
+// docs/performance_log.md, 2026-12-05 ("the step attention in C++").
 #include <immintrin.h>
 
 #include <cstdio>

@@ -5,14 +5,13 @@ kernels from Python) also the cache write's and decode kernel's time per layer.
     python bench/step_page_faults.py [--workload W2] [--dtype float32] [--threads 2] [--compile-level 1]
     MALLOC_ARENA_MAX=1 MALLOC_TRIM_THRESHOLD_=1073741824 MALLOC_MMAP_THRESHOLD_=33554432 python bench/step_page_faults.py
 
-Why: every 4 KiB page a step touches for the first time costs a fault and the kernel's zeroing of it, and on the VMs
-this project is measured on that was several microseconds a page: a W2 prefill step's gate/up matmul took 60 ms
-when its output was new memory and 17 ms when it was not, and a W2 decode step's cache writes 0.16 ms a layer
-against 0.05 once the cache's pages had been touched. Two sources: the activations glibc's malloc maps and unmaps
+Why: every 4 KiB page a step touches for the first time costs a fault and the kernel's zeroing of it, several
+microseconds a page on the VMs this project is measured on. Two sources: the activations glibc's malloc maps and unmaps
 (blocks over its mmap threshold, and whole heaps of a thread's arena once free), and the KV cache's pages, mapped
 lazily (`cbcore.cache.zeroed_pages`) and faulted in by the first token written to them. The glibc variables above
-(read when the process starts) keep freed memory mapped; run with and without them to compare. README, "Stop 37",
-has what they gave: no difference beyond this machine's noise in the loop thread, so cbcore does not tune malloc.
+(read when the process starts) keep freed memory mapped; run with and without them to compare. What they gave
+(docs/performance_log.md, 2026-12-05): no difference beyond the machine's noise in whole runs, so cbcore does not tune
+malloc.
 """
 
 from __future__ import annotations

@@ -19,9 +19,9 @@ from ..cache_shape import CacheShape
 from ..config import ContinuousBatchingConfig
 
 # Default step budgets when the config leaves them None (transformers infers them from GPU memory). On a CPU a
-# prefill step's linears run faster per token up to about 2048 rows (oneDNN bf16 at K = 512: ~1.0-1.5 TFLOP/s at
-# 920 rows, up to 2.2 at 2048), so 2048 gave W1 bf16 +4% and W2 +3% (bf16) / +6% (fp32) tok/s over 1024, W1 fp32
-# unchanged; 4096 gained no more (README, "Stop 31"). vLLM's CPU defaults are 4096 (LLM) and 2048 (its server).
+# prefill step's linears run faster per token up to about 2048 rows, and 4096 gained nothing more over 2048
+# (docs/performance_log.md, 2026-12-03, "what a step does besides its kernels"). vLLM's CPU defaults are 4096 (LLM)
+# and 2048 (its server).
 DEFAULT_MAX_BATCH_TOKENS = {"cpu": 2048, "cuda": 8192}
 FALLBACK_MAX_REQUESTS_PER_BATCH = 1024  # transformers' fallback
 # On a CPU the KV cache lives in the same RAM as everything else; never take more than this by default, so a small

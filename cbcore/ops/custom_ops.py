@@ -1,5 +1,6 @@
 """cbcore's kernels as `torch.library` custom ops: `torch.ops.cbcore.cache_write`, `.decode_attention`,
-`.prefill_attention` (issue 12's first part, for the compiled step).
+`.prefill_attention`, for callers that compile their own code around the kernels (docs/design.md, "The compiled
+step").
 
 `torch.compile` cannot trace into a C++ kernel or a Triton launch made through Python glue; a custom op is an opaque
 node of the graph instead, with a schema (so the compiler knows which inputs it writes: `cache_write` mutates the

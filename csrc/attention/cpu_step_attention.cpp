@@ -1,9 +1,9 @@
 // One layer's step attention on the CPU in C++: the CPU kernel of torch.ops.cbcore.step_attention.
 //
 // Why: the compiled step calls the op once per layer per step, and its Python body (the op's dispatch into Python,
-// the step lookup, the views, the checks and conversions of cbcore.ops, two kernel calls through pybind11) cost
-// ~60-80 us a layer on this project's CPUs: ~0.5 ms of a W2 decode step's 8 layers, ~2 ms of a W4 step's 30
-// (README, "Stop 37"). Here the op runs the same two kernels (cache_write, then the planned decode and prefill) from
+// the step lookup, the views, the checks and conversions of cbcore.ops, two kernel calls through pybind11) cost tens
+// of microseconds a layer, a visible share of a small decode step (docs/performance_log.md, 2026-12-05, "the step
+// attention in C++"). Here the op runs the same two kernels (cache_write, then the planned decode and prefill) from
 // C++, reading the step's batch layout from a thread-local context that cbcore.attention.paged_step sets once per
 // step (`enter_cpu_step`) instead of from Python.
 //
