@@ -435,8 +435,8 @@ def register() -> str:
 
 
 # Defined with torch.library's lower-level API rather than `custom_op`: the compiled graph calls it once per layer per
-# step, and `custom_op`'s Python wrapper (autograd redispatch, aliasing check, Dynamo guard) made a call cost 12.5 us
-# against 5.8 for the same op defined this way (a trivial body, measured on this project's CPU). It mutates nothing
+# step, and `custom_op`'s Python wrapper (autograd redispatch, aliasing check, Dynamo guard) about doubled a call's
+# cost against the same op defined this way (docs/performance_log.md, 2026-12-02, 12:40). It mutates nothing
 # the graph sees, returns a fresh tensor, and has no autograd formula (the engine runs under inference mode).
 _library = torch.library.Library("cbcore", "FRAGMENT")
 _library.define(
@@ -469,9 +469,9 @@ def step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
 
 _library.impl("step_attention", step_attention, "CompositeExplicitAutograd")
-# On the CPU the op's kernel is C++ (csrc/attention/cpu_step_attention.cpp): inside a step whose context
-# paged_step entered it runs the kernels itself, ~60-80 us a layer less than this body; what it does
-# not take it hands back to this function.
+# On the CPU the op's kernel is C++ (csrc/attention/cpu_step_attention.cpp): inside a step whose context paged_step
+# entered it runs the kernels itself, without this body's Python (docs/design.md, "The compiled step"); what it does not
+# take it hands back to this function.
 _step_extension = _cpu_step_extension()
 if _step_extension is not None:
     _step_extension.set_python_step_attention(step_attention)

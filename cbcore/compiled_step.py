@@ -77,17 +77,17 @@ def default_compile_config(level: int) -> CompileConfig | None:
     return CompileConfig(mode="max-autotune-no-cudagraphs", fullgraph=False, dynamic=True, options=options)
 
 
-# Inductor options of the default levels: the generated code does not assert each custom op's output sizes, strides
-# and alignment at run time. A 30-layer step calls cbcore's ops 151 times and ran ~370 such checks, ~0.25 ms of a
-# ~40 ms decode step. An explicit compile config keeps inductor's defaults, so the asserts still run in the tests that
-# serve with one (tests/test_compiled_step.py: decode and varlen graphs, a sliding window): there each op's output is
-# checked against what its fake implementation says.
+# Inductor options of the default levels: the generated code does not assert each custom op's output sizes, strides and
+# alignment at run time. A 30-layer step runs hundreds of such checks, a measurable share of a decode step
+# (docs/performance_log.md, 2026-12-02, 12:40). An explicit compile config keeps inductor's defaults, so the asserts
+# still run in the tests that serve with one (tests/test_compiled_step.py: decode and varlen graphs, a sliding window):
+# there each op's output is checked against what its fake implementation says.
 UNCHECKED_OUTPUTS = {"size_asserts": False, "alignment_asserts": False}
 # Inductor decides whether a generated CPU loop runs on every thread from the sizes the graph was traced with (work
 # under `cpp.min_chunk_size` x threads iterations stays on one thread, inside an `omp single`). cbcore's graphs are
 # traced by warmup() on 1-3 tokens, so every loop over tokens looked tiny: in a W1 bf16 prefill step of ~900 tokens
-# the K half of the rotary embedding and rotate_half's copies ran on one core (6.6 -> 4.6 ms a step once parallel).
-# At 1, any loop of at least as many iterations as threads is split; W2 fp32, W3 fp32 +2-3% tok/s, same tokens.
+# the K half of the rotary embedding and rotate_half's copies ran on one core (docs/performance_log.md, 2026-12-03).
+# At 1, any loop of at least as many iterations as threads is split; the tokens are the same.
 PARALLEL_LOOPS = {"cpp.min_chunk_size": 1}
 DEFAULT_OPTIONS = {**UNCHECKED_OUTPUTS, **PARALLEL_LOOPS}
 
@@ -145,8 +145,8 @@ MODULE_GUARDS_ENV = "CBCORE_COMPILE_MODULE_GUARDS"
 
 # Dynamo's settings while the step is compiled ahead. The model's float attributes (each norm's epsilon, the
 # attention's scaling, the rotary embedding's attention_scaling) become constants of the graph, as its int and string
-# attributes already are: Dynamo otherwise makes each a graph input, converted to a tensor on every call (18 for the
-# bench's Llama: Dynamo's part of a W3 bf16 decode step 0.58 -> 0.43 ms under torch.profiler). Like every other
+# attributes already are: Dynamo otherwise makes each a graph input, converted to a tensor on every call (18 a step
+# for the bench's Llama; docs/performance_log.md, 2026-12-06). Like every other
 # module attribute they are covered by the structure fingerprint (cbcore/structure_fingerprint.py), not by a guard:
 # a changed epsilon is compiled again before the next step. A graph compiled outside warm-up (a shape it did not
 # cover) takes them as inputs again: slower, as exact.
@@ -296,9 +296,9 @@ class StepForward:
                 arguments = (self.model, input_ids, positions, rows if self.takes_logits_to_keep else None)
                 with attention.paged_step(attention.WarmupStep()), torch._dynamo.config.patch(SPECIALIZED):
                     # Graphs already warmed (an earlier engine of this model): a shape whose guards still hold needs
-                    # no forward. Running the forward instead cost every generate_batch 4-5 ms a shape on the
-                    # bench's 8-layer model, tens of milliseconds on the 30-layer default model; the guards take
-                    # 0.1-0.2 ms. What invalidates them (a guard on transformers' registry, the model's dtype) makes
+                    # no forward. Running the forward instead costs every generate_batch a forward per shape, and
+                    # evaluating the guards a small fraction of one (docs/performance_log.md, 2026-12-06). What
+                    # invalidates them (a guard on transformers' registry, the model's dtype) makes
                     # the forward run and compile here, ahead, as on the first warm-up.
                     if compiled.warmed and _guards_hold(compiled.code, arguments):
                         continue

@@ -1,25 +1,22 @@
 """Prepacked matmuls for the model's `nn.Linear` layers during cbcore's CPU steps (cbcore's skinny matmul, or
 oneDNN's), with the projections that read the same input merged into one matmul.
 
-Why: on the CPU a step is mostly linear layers (half of a W1 decode step, three quarters of a prefill step), and
-torch's x86 builds run fp32 `F.linear` through MKL, which on this AMD EPYC reaches 83-200 GFLOP/s on the shapes of a
-step, against 180-220 GFLOP/s for oneDNN with the weight reordered once into its blocked layout
-(`bench/test_bench_linear.py`, `bench/results/linear_cpu.md`). The engine's end-to-end W1 throughput rises by about a
-quarter. A decoder layer's q/k/v projections (and its MLP's gate/up) all read the same hidden states: one matmul over
-their concatenated weights reads the input once and gives oneDNN one wide matrix instead of two or three narrow ones.
+Why: on the CPU a step is mostly linear layers (about half of a decode step, most of a prefill step), and torch's x86
+builds run fp32 `F.linear` through MKL, which falls well short of oneDNN with the weight reordered once into its blocked
+layout on the shapes of a step (`bench/test_bench_linear.py`, `bench/results/linear_cpu.md`). A decoder layer's q/k/v
+projections (and its MLP's gate/up) all read the same hidden states: one matmul over their concatenated weights reads
+the input once and gives oneDNN one wide matrix instead of two or three narrow ones.
 
 A decode step multiplies few rows (16 on average in W4) by every weight of the model, a shape where oneDNN reaches
 neither the FMA rate nor the memory's: there cbcore's own skinny matmul (csrc/linear/skinny_gemm.cpp: weights in
-16-column panels streamed once per call with prefetches; AVX-512 fp32 FMAs or AVX512-BF16 `vdpbf16ps`, or AVX2
-FMAs on CPUs without AVX-512) runs the linears of a W4-shaped decode step 1.5-1.6x faster in fp32 and 1.7x in bf16
-on a Zen 4 (`bench/results/linear_cpu.md`). On a CPU with AMX tiles oneDNN runs bf16 on them, several times the
-skinny matmul's rate, and fp32 faster on a prefill's rows: there the choice differs (`linear_backends`). Elsewhere,
-where the CPU has the instructions (`_C.skinny_available`: AVX2 and FMA at least), it replaces oneDNN's copy
-of an fp32 weight (on a prefill's hundreds of rows it reaches 0.9-1.04x oneDNN in fp32 on wide projections: still
-one copy); a bf16 weight keeps oneDNN's copy as well where oneDNN packs bf16
-(AVX-512), for calls of more than 64 rows, where the skinny matmul reached only 0.7-0.95 of oneDNN (a second copy,
-of half the bytes of fp32's). On an AVX2-only CPU oneDNN packs no bf16 weight and torch's bf16 `F.linear` runs at
-~12-18 GFLOP/s: there every bf16 call runs the skinny matmul (60-150 GFLOP/s on a Zen 3).
+16-column panels streamed once per call with prefetches; AVX-512 fp32 FMAs or AVX512-BF16 `vdpbf16ps`, or AVX2 FMAs on
+CPUs without AVX-512) is faster (`bench/results/linear_cpu.md`; docs/design.md, "Linear layers on the CPU"). On CPUs
+with AMX tiles or full-width AVX-512 the crossovers differ (`linear_backends`). Elsewhere, where the CPU has the
+instructions (`_C.skinny_available`: AVX2 and FMA at least), it replaces oneDNN's copy of an fp32 weight (on a prefill's
+hundreds of rows it about matches oneDNN in fp32 on wide projections: still one copy); a bf16 weight keeps oneDNN's copy
+as well where oneDNN packs bf16 (AVX-512), for calls of more than 64 rows, where the skinny matmul falls behind oneDNN
+(a second copy, of half the bytes of fp32's). On an AVX2-only CPU oneDNN packs no bf16 weight and torch's bf16
+`F.linear` is slow: there every bf16 call runs the skinny matmul.
 
 How: `PackedLinears.attach(model)` (called when the manager binds the model) packs every CPU fp32/bf16
 `nn.Linear` weight (into the skinny matmul's panels, or with `torch.ops.mkldnn._reorder_linear_weight`), the
@@ -32,16 +29,16 @@ untouched. In a group, the first member called computes the whole group's output
 member takes its columns; a member called with another tensor computes the group again for it, so a model that does
 not call them on one input stays exact, only slower. `detach()` removes the instance `forward` and keeps the packed
 copies with the modules' groups (parked), so that the next manager of the model (`generate_batch` builds one per
-call) takes them back instead of packing again: packing a model's weights cost 51 ms of every `generate_batch` of
-the 32M-parameter bench model in bf16 on an AMX CPU, a third of a one-request call. A parked copy is taken back only
+call) takes them back instead of packing again: packing is a large share of a short `generate_batch` call
+(docs/performance_log.md, 2026-12-03). A parked copy is taken back only
 for the same weight tensors (same storage, dtype and shape) and the same backends; otherwise it is packed again. It
 is freed with its modules (when the model is garbage collected), by `release_packed(model)` (which
 `destroy_cached_continuous_batching_manager` calls), or at once at every detach with `CBCORE_KEEP_PACKED_LINEAR=0`.
 
 The matmul is the C++ op `torch.ops.cbcore.packed_linear(x, handle)` (csrc/linear/packed_linear.cpp), in the eager
 step as in the compiled one: opaque to `torch.compile` (inductor cannot take a packed oneDNN weight as a graph input),
-with the packed weight looked up by an integer handle when it runs, and in C++ because a Python custom op cost ~35 us
-a call, a third of a small decode matmul. Each module's group and handle are kept across attach and detach, so a
+with the packed weight looked up by an integer handle when it runs, and in C++ because a Python custom op's dispatch
+cost a large share of a small decode matmul. Each module's group and handle are kept across attach and detach, so a
 compiled step stays valid across `generate_batch` calls (nothing it guards on changes).
 
 Weights changed in place (an optimizer step between two `generate_batch` calls, or inside `manager.pause()`) are seen
@@ -121,25 +118,23 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     return True
 
 
-# The most rows a call runs on the skinny matmul when oneDNN's copy is there too. bf16 on a CPU without AMX: at 64
-# rows the skinny matmul was 1.1x oneDNN on a W4-shaped step on a Zen 4, at 128 0.94x.
+# The most rows a call runs on the skinny matmul when oneDNN's copy is there too, where the two cross. bf16 on a CPU
+# without AMX: the skinny matmul leads oneDNN at 64 rows on a Zen 4 and trails it at 128 (docs/performance_log.md,
+# 2026-12-02).
 SKINNY_MAX_ROWS_BF16 = 64
-# fp32 on a CPU with two full 512-bit FMA units a core (a Xeon with AMX, a server or desktop Zen 5): on a Xeon with
-# AMX the skinny matmul ran a step's linears in 0.72-0.89x oneDNN's time at 8-32 rows, 0.93-1.01x at 64, 1.07-1.15x
-# at 128 and 1.32x at 512 (bench/linear_crossover.py, bench/results/linear_crossover_xeon_amx.md); on a Zen 5 (EPYC
-# 9005) in 0.85-0.95x at 8-64 rows, 1.04x at 96, 1.07-1.12x at 128, 1.16x at 512 and 1.22x at 2048
-# (bench/results/linear_crossover_zen5.md).
+# fp32 on a CPU with two full 512-bit FMA units a core (a Xeon with AMX, a server or desktop Zen 5): oneDNN's larger
+# register tiles overtake the skinny matmul between 64 and 128 rows (bench/linear_crossover.py,
+# bench/results/linear_crossover_xeon_amx.md, bench/results/linear_crossover_zen5.md).
 SKINNY_MAX_ROWS_FP32_WIDE = 64
-# bf16 on a Zen 5 with full-width AVX-512 (no AMX): the skinny matmul's vdpbf16ps ran a W2-shaped step's linears in
-# 0.77-0.92x oneDNN's time at 8-64 rows, 0.99x at 128, 1.26x at 256 and 1.39x at 512; up to 128 rows also spares
-# oneDNN's primitive per new row count (see the AMX limit below).
+# bf16 on a Zen 5 with full-width AVX-512 (no AMX): the skinny matmul's vdpbf16ps leads oneDNN up to about 128 rows
+# of a W2-shaped step (bench/results/linear_crossover_zen5.md); up to 128 rows also spares oneDNN's primitive per new
+# row count (see the AMX limit below).
 SKINNY_MAX_ROWS_BF16_WIDE = 128
 # bf16 on a CPU with AMX tiles, where the skinny matmul runs them too (K a multiple of AMX_DEPTH): on a Xeon with AMX,
-# with its 2 x 2 tile blocks, it ran a W2-shaped step's linears in 0.6-0.73x oneDNN's time at 1-32 rows, 0.85-0.93x
-# at 64, 0.92-1.06x at 96-128 and 1.07-1.09x at 192-256; a W4-shaped step's in 0.74-0.8x up to 32 rows, 0.96-1.04x
-# at 48-128 and 1.08-1.14x past it (bench/results/linear_crossover_xeon_amx.md). Even at 96-128 it wins where a row
-# count is new: oneDNN builds a primitive per row count (~1-3 ms at 40-200 rows). In the engine the gain was larger:
-# W1 and W2 bf16 (decode steps of 64 rows) ran 8-13% faster in all with 64 or 128 here than with 32 (tok/s).
+# with its 2 x 2 tile blocks, it leads oneDNN up to 64 rows and about ties it at 96-128
+# (bench/results/linear_crossover_xeon_amx.md). Even at 96-128 it wins where a row count is new, since oneDNN builds a
+# primitive per row count, and in the engine W1 and W2 bf16 ran faster with 128 here than with 32
+# (docs/performance_log.md, 2026-12-03, the decode step's linears).
 SKINNY_MAX_ROWS_BF16_AMX = 128
 AMX_DEPTH = 32  # k per AMX tile product: the skinny matmul's AMX tiles take K a multiple of it
 
@@ -284,8 +279,7 @@ def _optimizer_stepped(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     """After a torch optimizer's `step`: move the version counters of the packed sources among its parameters, so
     that the op packs them again. A fused optimizer's kernel writes them without moving the counters; a non-fused
     one has moved them already, and one more move costs a repack no more. Run for every optimizer step in the
-    process: 0.8-1.5 ms for a model of the default model's shapes (SmolLM2-135M, 272 parameter tensors, every
-    linear packed) on a loaded 2-core x86 VM, where its fused AdamW step took 2.5 s."""
+    process: about a millisecond for a model of the default model's shapes, small beside the optimizer step itself."""
     stepped = [param for group in optimizer.param_groups for param in group["params"] if param in _PACKED_SOURCES]
     if stepped:
         torch.autograd.graph.increment_version(stepped)

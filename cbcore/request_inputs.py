@@ -91,8 +91,8 @@ def token_ids(value: Any, what: str) -> list[int]:
     if not isinstance(value, (list, tuple)):
         raise TypeError(f"{what} must be a list of token ids (ints) or a 1-D integer tensor, got {type(value).__name__}")
     if set(map(type, value)) <= {int}:
-        # The common case, plain ints (bool is a subclass, not the type): checked in C. Element by element below,
-        # W2's 64 prompts of ~550 tokens took 8.2 ms a pass (0.7 ms this way), inside generate_batch's time.
+        # The common case, plain ints (bool is a subclass, not the type): checked in C, an order of magnitude faster
+        # than element by element below, inside generate_batch's timed call (docs/performance_log.md, 2026-12-03).
         return list(value)
     ids = []
     for index, token in enumerate(value):

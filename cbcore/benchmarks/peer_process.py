@@ -2,11 +2,11 @@
 tree (vLLM's engine and worker processes included) every 20 ms to get its peak.
 
 The sampler runs on the same cores as the peer it measures, so it must cost next to nothing. Listing a process's
-descendants (`psutil.Process.children(recursive=True)`) reads every process's /proc entry: ~1.3 ms of CPU here. Done at
-every sample it took 6% of one core, and cbcore's W2 step, whose two threads meet at a barrier after every operation,
-ran 15-25% slower beside it (three runs each way, `generate_batch` in a fresh process, with and without a sampler
-watching it). So the tree is listed again only every `TREE_REFRESH_S` (peers start their processes seconds before
-their timed part), and each sample reads the resident size of the processes already known (~0.01 ms each)."""
+descendants (`psutil.Process.children(recursive=True)`) reads every process's /proc entry; done at every sample, it
+slowed the peers it measured, cbcore's two threads meeting at a barrier after every operation most of all
+(docs/performance_log.md, 2026-12-06). So the tree is listed again only every `TREE_REFRESH_S` (peers start their
+processes seconds before their timed part), and each sample reads only the resident size of the processes already
+known."""
 
 from __future__ import annotations
 

@@ -23,8 +23,8 @@ _FIELDS = 4  # per request: num_tokens, start, num_blocks, emits_token
 def encode_plan(plan: StepPlan) -> torch.Tensor:
     """The plan's requests (not its copies: they travel on their own, see `encode_copies`) as an int64 tensor."""
     requests = plan.requests
-    # array('q') appends ints in C and hands its buffer to torch without a copy: half the time of a list of
-    # ints through torch.tensor (1.4 vs 2.7 ms for 1024 requests of 33 blocks, bench/tp_broadcast.py).
+    # array('q') appends ints in C and hands its buffer to torch without a copy: about half the time of a list of
+    # ints through torch.tensor (bench/tp_broadcast.py).
     flat = array("q", [len(requests)])
     for request in requests:
         flat.extend((len(request.token_ids), request.start, len(request.block_table), request.emits_token))

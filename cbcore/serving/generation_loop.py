@@ -96,8 +96,8 @@ class GenerationLoop:
             return run_follower_loop(self, use_inference_mode, num_threads)
         link = group.driver_link if group is not None else None
         # The caller's torch thread count, set explicitly in this thread, so the loop runs with the caller's choice
-        # rather than whatever OpenMP gives a new thread. (Some runs here measured torch ops 20-35% slower in a new
-        # thread without it; bench/test_bench_linear.py::test_threads tracks it, and it does not always reproduce.)
+        # rather than whatever OpenMP gives a new thread (bench/test_bench_linear.py::test_threads compares the two;
+        # the slowdown a fresh thread showed was the caller's OpenMP team: docs/design.md, "Threads").
         torch.set_num_threads(num_threads)
         engine = self.engine
         self._steps_at_start = engine.counters["steps"]
