@@ -30,9 +30,8 @@ defence:
    `UnsupportedModelError` naming the model class and what was seen. This is what refuses attention that does not
    go through `AttentionInterface` (Bloom, Falcon, GPT-Neo, MPT: cbcore's attention is never called) and models
    that call one attention module several times per forward (DiffLlama). The manager runs it once per model (and dtype
-   and device) at `start()`; it costs two short forwards of the model plus seven small steps: for SmolLM2-135M,
-   `start()` takes about 0.3 s longer in fp32 and 0.2 s longer in bf16 (a 2-core AMD EPYC, timing `manager.start()`
-   with and without the check; see the README). `CBCORE_SELF_CHECK=0` skips it.
+   and device) at `start()`; it costs two short forwards of the model plus seven small steps, a fraction of a second
+   for a small model (docs/performance_log.md, 2026-12-01). `CBCORE_SELF_CHECK=0` skips it.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from transformers import GenerationConfig
 import cbcore
 from conftest import VOCAB, random_prompts, tiny_model
 
-EOS = VOCAB - 1  # explicit, so both sides agree on it (see the README on EOS fallbacks)
+EOS = VOCAB - 1  # explicit, so both sides agree on it (the README's Differences table says how EOS is resolved)
 # An explicit cache size for the queue scenarios: sized from memory, transformers' manager on a CPU allocates and
 # zero-fills about half the machine at start(), which on a busy 2-core machine outlasts the tests' 30 s waits.
 SMALL_CACHE = dict(page_size=16, num_blocks=64)
