@@ -187,6 +187,8 @@ class StepMetadata:
     # Each packed token's position in its request, `[num_tokens]` (cbcore/positions.py hands it to decoders that
     # compute positions themselves).
     positions: torch.Tensor | None = None
+    # The step's requests as the stateful layers run them (a `state_layers.StateStep`), for a model with such layers.
+    states: Any = None
     # The kernels' plans for this step, made by the first layer's calls and reused by the others (cbcore/ops).
     kernel_plans: ops.StepKernelPlans = field(init=False)
 

@@ -13,6 +13,8 @@ Who holds a block reference (the allocator counts them; `check()` proves the cou
 | the prefix cache            | never: a hashed block with no holder sits in the allocator's LRU list, reusable until evicted |
 
 Host blocks of the swap pool are held by swapped-out requests (`RequestState.host_blocks`); see cbcore/swap.py.
+For a model with stateful layers, each request's state slot follows it through the same calls (`state_slots`,
+cbcore/state_slots.py): forked with it, kept while it is swapped out, released with its blocks.
 
 One prefix index: the C++ allocator's hash chain (parent, tokens, the parent's generation). Python keeps no copy
 of it: the host tier asks the allocator for an evicted block's whole prefix (`prefix_path`), and a weight change
@@ -38,6 +40,7 @@ from ._C import BlockAllocator
 from .cache_shape import CacheShape
 from .plan import BlockCopies
 from .requests import RequestState
+from .state_slots import StateSlots
 from .swap import HostSwap
 
 @dataclass(frozen=True)
@@ -92,12 +95,15 @@ class PagedKVCache:
         page_size: int,
         device: torch.device,
         allow_prefix_sharing: bool = True,
+        state_slots: StateSlots | None = None,
     ) -> None:
+        """`state_slots`: the requests' state slots, for a model with stateful layers (None without)."""
         self.shape = shape
         self.num_blocks = num_blocks
         self.page_size = page_size
         self.device = device
         self.allow_prefix_sharing = allow_prefix_sharing
+        self.state_slots = state_slots
         self.key_caches, self.value_caches = [], []
         for layer in range(shape.num_layers):
             heads, k_dim, v_dim = shape.layer_dims(layer)
@@ -282,6 +288,8 @@ class PagedKVCache:
             child.block_table.append(copy)
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_committed_blocks = min(parent.num_committed_blocks, num_full)
+        if self.state_slots is not None:
+            self.state_slots.fork(parent, child)
 
     def can_swap_out(self, state: RequestState) -> bool:
         """Whether preempting `state` should swap it out: the pool has room and copying beats recomputing."""
@@ -294,7 +302,8 @@ class PagedKVCache:
 
     def swap_out(self, state: RequestState) -> None:
         """Copy the request's computed blocks to the host (recorded in this step's copies) and release its device
-        blocks; it keeps `num_computed_tokens` and resumes with `swap_in`."""
+        blocks; it keeps `num_computed_tokens` (and its state slot, whose state stays in place) and resumes with
+        `swap_in`."""
         computed_blocks = state.block_table[: self.blocks_for(state.num_computed_tokens)]
         state.host_blocks = self.swap.swap_out(computed_blocks)
         self.allocator.free(state.block_table[::-1])
@@ -313,6 +322,8 @@ class PagedKVCache:
         the step's forward. Host blocks read by this step's copies to the device are free from the next step on."""
         copies = self._copies
         self._copies = BlockCopies()
+        if self.state_slots is not None:
+            copies.state_copies = self.state_slots.take_copies()
         if self.swap is not None:
             self.swap.copies_planned(copies, self._copies)
         return copies
@@ -329,6 +340,8 @@ class PagedKVCache:
         state.block_table = []
         state.num_committed_blocks = 0
         state.num_computed_tokens = 0
+        if self.state_slots is not None:
+            self.state_slots.release(state)
 
     # ---- invariants --------------------------------------------------------------------------------------------
 
@@ -340,3 +353,5 @@ class PagedKVCache:
         self.allocator.check_holders(dict(holders))
         if self.swap is not None:
             self.swap.check(dict(Counter(block for state in live_requests for block in state.host_blocks)))
+        if self.state_slots is not None:
+            self.state_slots.check(live_requests)

@@ -7,12 +7,15 @@ only per-request state is K/V. Anything else gives wrong tokens without an error
 defence:
 
 1. `check_model_supported(model)`: structural checks, before the model is touched or the engine built. It reads the
-   model's modules, signatures and config, not a list of model names. Refused, each with its reason:
-   - layers that keep a recurrent or convolutional per-request state (Mamba, short convolutions, gated delta-nets,
-     linear attention, RG-LRU, RWKV, xLSTM: hybrids such as Qwen3-Next, Jamba, Bamba, Falcon-H1, LFM2, Granite-4
-     hybrid, Nemotron-H, MiniMax, Zamba2, RecurrentGemma), or no attention heads at all: they need a per-request
-     state cache, which cbcore does not have yet;
-   - `layer_types` entries other than full or sliding-window attention (chunked attention, linear attention, ...);
+   model's modules, signatures and config, not a list of model names. Layers that keep a per-request state through
+   transformers' cache API (Mamba, Mamba-2, gated delta-nets, short convolutions: Qwen3.5, Qwen3-Next, Jamba, Bamba,
+   Falcon-H1, Granite-4 hybrid, Nemotron-H, Zamba, LFM3, ...) are served on state slots (cbcore/state_layers.py).
+   Refused, each with its reason:
+   - layers that keep a recurrent or convolutional per-request state outside that API (RG-LRU, RWKV, xLSTM,
+     MiniMax's lightning attention: RecurrentGemma, RWKV, xLSTM, MiniMax), whose state cbcore cannot reach;
+   - a config without attention heads and without such stateful layers;
+   - `layer_types` entries other than full or sliding-window attention (chunked attention, ...), besides the
+     stateful and attention-free layer kinds of a model with state layers;
    - attention modules without a `layer_idx` (a shared block), or fewer/more attention layers than the cache has;
    - a sliding window set in the config but not passed to the attention function (it lives only in the mask);
    - a forward without `position_ids` whose positions are not computed in a cache-length positional embedding
@@ -50,9 +53,15 @@ from .requests import RequestState, RequestStatus
 from .positions import cache_length_position_embeddings
 from .runner import ModelRunner
 from .scheduler import FifoOrder, Scheduler
+from .state_layers import StatePool, probe_state_specs, state_layer_modules
+from .state_slots import StateSlots
 from .switches import env_switch
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+# Layer kinds a hybrid's config names for its stateful layers (a Mamba or delta-rule mixer, a short convolution, a
+# layer with both attention and a mixer) and for layers with neither (an MLP or MoE block alone): served when the
+# model's stateful layers go through transformers' cache API.
+STATE_MODEL_LAYER_TYPES = frozenset({"linear_attention", "mamba", "conv", "hybrid", "moe", "mlp"})
 SELF_CHECK_ENV = "CBCORE_SELF_CHECK"
 
 # Module classes whose layer keeps a per-request recurrent/convolutional state that a KV cache cannot hold. Matched on
@@ -111,15 +120,19 @@ def unsupported_reasons(model: torch.nn.Module) -> list[str]:
     config = model.config.get_text_config()
     reasons: list[str] = []
 
-    stateful = sorted({type(m).__name__ for m in _decoder_layer_modules(model, config) if _is_stateful(m)})
+    state_layers = [m for _, m in state_layer_modules(model)]
+    inside = {id(sub) for layer in state_layers for sub in layer.modules()}
+    stateful = sorted({type(m).__name__ for m in _decoder_layer_modules(model, config)
+                       if _is_stateful(m) and id(m) not in inside})
     if stateful:
         reasons.append(
-            f"it has layers with a recurrent or convolutional per-request state ({', '.join(stateful[:4])}); "
-            "serving them needs a per-request state cache, which cbcore does not support yet"
+            f"it has layers with a recurrent or convolutional per-request state ({', '.join(stateful[:4])}) that "
+            "they keep outside transformers' cache API (get_conv_state / update_recurrent_state), where cbcore's "
+            "state slots cannot reach it"
         )
-    if not getattr(config, "num_attention_heads", None):
+    if not getattr(config, "num_attention_heads", None) and not state_layers:
         reasons.append("its config has no attention heads (num_attention_heads): there is no KV cache to page")
-    kinds = _layer_kinds(config)
+    kinds = _layer_kinds(config) - (STATE_MODEL_LAYER_TYPES if state_layers else frozenset())
     if kinds:
         reasons.append(
             f"its config's layer_types include {sorted(kinds)}: cbcore serves only full and sliding-window attention "
@@ -129,7 +142,7 @@ def unsupported_reasons(model: torch.nn.Module) -> list[str]:
         return reasons  # the attention checks below would only restate these
 
     reasons += _signature_reasons(model)
-    reasons += _attention_reasons(model, config)
+    reasons += _attention_reasons(model, config, {m.layer_idx for m in state_layers})
     if not reasons:
         try:  # the cache's own reading of the model: what its attention layers receive (or its config says)
             CacheShape.from_model(model, model.dtype)
@@ -238,8 +251,10 @@ def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
     ]
 
 
-def _attention_reasons(model: torch.nn.Module, config) -> list[str]:
+def _attention_reasons(model: torch.nn.Module, config, state_layer_indices: set[int]) -> list[str]:
     modules = attention_modules(model)
+    if not modules and state_layer_indices:
+        return []  # a recurrent model (Mamba): no attention to page
     if not modules:
         # Attention computed by the model itself (Bloom, Falcon, GPT-Neo, MPT, ...), or dispatched in a way this
         # reading of the source does not recognise: the self-check counts the calls cbcore's attention really gets
@@ -254,7 +269,13 @@ def _attention_reasons(model: torch.nn.Module, config) -> list[str]:
         )
     indices = [m.layer_idx for n, m in modules if isinstance(getattr(m, "layer_idx", None), int)]
     expected = list(range(config.num_hidden_layers))
-    if not no_index and sorted(indices) != expected:
+    if state_layer_indices:  # a hybrid: attention in some layers, at most one module each
+        if not no_index and (len(set(indices)) != len(indices) or not set(indices) <= set(expected)):
+            reasons.append(
+                f"its attention modules have layer_idx {sorted(indices)[:12]} in a {config.num_hidden_layers}-layer "
+                "model: cbcore pages K/V for at most one attention module per layer"
+            )
+    elif not no_index and sorted(indices) != expected:
         reasons.append(
             f"its attention modules have layer_idx {sorted(indices)[:12]} but the config has "
             f"{config.num_hidden_layers} layers: cbcore pages K/V for exactly one attention module per layer"
@@ -384,10 +405,16 @@ def _run_self_check(model: torch.nn.Module, reference_attn_implementation: str |
     shape = CacheShape.from_model(model, model.dtype)
     longest = max(_CHECK_PROMPT_LENGTHS) + _CHECK_DECODE_STEPS
     num_blocks = sum(-(-(n + _CHECK_DECODE_STEPS) // _CHECK_PAGE_SIZE) for n in _CHECK_PROMPT_LENGTHS) + 1
-    cache = PagedKVCache(shape, num_blocks, _CHECK_PAGE_SIZE, device, allow_prefix_sharing=False)
-    scheduler = Scheduler(cache, FifoOrder(), max_batch_tokens=_CHECK_BATCH_TOKENS, max_requests_per_batch=4,
+    # A model with stateful layers gets a throwaway state pool too: its chunked prefill and decodes run on slots.
+    state_specs = probe_state_specs(model) if state_layer_modules(model) else []
+    num_slots = 4
+    state_slots = StateSlots(num_slots) if state_specs else None
+    cache = PagedKVCache(shape, num_blocks, _CHECK_PAGE_SIZE, device, allow_prefix_sharing=False,
+                         state_slots=state_slots)
+    scheduler = Scheduler(cache, FifoOrder(), max_batch_tokens=_CHECK_BATCH_TOKENS, max_requests_per_batch=num_slots,
                           safety_margin=0.0)
-    runner = ModelRunner(model, cache, sampler=None)
+    runner = ModelRunner(model, cache, sampler=None,
+                         state_pool=StatePool(state_specs, num_slots, device) if state_specs else None)
 
     vocab = min(model.get_input_embeddings().num_embeddings, model.config.get_text_config().vocab_size)
     generator = torch.Generator().manual_seed(0)
@@ -402,6 +429,12 @@ def _run_self_check(model: torch.nn.Module, reference_attn_implementation: str |
 
     rows: dict[str, list[tuple[int, torch.Tensor]]] = {state.request_id: [] for state in states}
     num_layers = shape.num_layers
+    # Every layer attends once per step; in a model with stateful layers, exactly the layers with an attention module.
+    if state_specs:
+        attending = {m.layer_idx for _, m in attention_modules(model)}
+        expected_counts = [1 if layer in attending else 0 for layer in range(num_layers)]
+    else:
+        expected_counts = [1] * num_layers
     for _ in range(4 * longest):  # bounded: each step computes at least one token
         if not scheduler.has_work():
             break
@@ -420,8 +453,8 @@ def _run_self_check(model: torch.nn.Module, reference_attn_implementation: str |
             emitted = [batch.requests[i] for i in indices]
         except Exception as error:  # noqa: BLE001 - whatever breaks in a step means the model is not served exactly
             return f"cbcore's paged forward raised {type(error).__name__}: {error}"
-        if counts != [1] * num_layers:
-            return _describe_counts(counts)
+        if counts != expected_counts:
+            return _describe_counts(counts, expected_counts)
         scheduler.on_step_done(batch)
         for item, row in zip(emitted, logits if logits is not None else []):
             state = item.state
@@ -459,9 +492,10 @@ def _run_self_check(model: torch.nn.Module, reference_attn_implementation: str |
     return None
 
 
-def _describe_counts(counts: list[int]) -> str:
-    never = [i for i, c in enumerate(counts) if c == 0]
+def _describe_counts(counts: list[int], expected: list[int]) -> str:
+    never = [i for i, (c, e) in enumerate(zip(counts, expected)) if c == 0 and e]
     several = [i for i, c in enumerate(counts) if c > 1]
+    unexpected = [i for i, (c, e) in enumerate(zip(counts, expected)) if c == 1 and not e]
     parts = []
     if never:
         parts.append(f"layers {never[:8]} never called cbcore's attention with its step data (their attention "
@@ -469,6 +503,8 @@ def _describe_counts(counts: list[int]) -> str:
     if several:
         parts.append(f"layers {several[:8]} called it {max(counts)} times in one forward (one attention module used "
                      "several times, or shared between layers)")
+    if unexpected:
+        parts.append(f"layers {unexpected[:8]}, which have no attention module, called cbcore's attention")
     return "; ".join(parts)
 
 

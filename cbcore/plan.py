@@ -11,7 +11,8 @@ per direction before the step's forward (`ModelRunner.copy_blocks`), in this ord
 
 1. device to host: a block being swapped out, or evicted into the host tier, may be handed out again in the same
    step (to a fork's copy, a swap-in, a growing request): its old K/V is copied out before anything overwrites it;
-2. device to device: the forks' copy-on-write blocks (all sources read before any destination is written);
+2. device to device: the forks' copy-on-write blocks (all sources read before any destination is written), and their
+   state slots' copies (models with stateful layers);
 3. host to device: swap-ins and host-tier bring-backs, into blocks whose old K/V was copied out in 1.
 
 The one dependency the other way, a child forked and then swapped out in the same step (its block written in 2 and
@@ -33,9 +34,12 @@ class BlockCopies:
     device_to_host: list[tuple[int, int]] = field(default_factory=list)
     # (host block, device block): swap-ins of resumed requests, host-tier blocks brought back on a prefix hit.
     host_to_device: list[tuple[int, int]] = field(default_factory=list)
+    # (parent slot, child slot): a forked child's copy of its parent's per-request state (models with stateful
+    # layers, cbcore/state_slots.py), issued with the device-to-device copies.
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.device_to_device or self.device_to_host or self.host_to_device)
+        return bool(self.device_to_device or self.device_to_host or self.host_to_device or self.state_copies)
 
 
 @dataclass(slots=True)
@@ -48,6 +52,7 @@ class PlannedRequest:
     start: int  # the position of token_ids[0]: the tokens the request has computed so far
     block_table: list[int]
     emits_token: bool  # the last row reaches the end of the request's known tokens: it yields the next token
+    state_slot: int | None = None  # its row of the state pool (models with stateful layers)
 
     @property
     def num_tokens(self) -> int:

@@ -107,6 +107,10 @@ class RequestState:
     num_computed_tokens: int = 0
     # Physical block ids holding this request's K/V, in token order; token t lives in block_table[t // page_size].
     block_table: list[int] = field(default_factory=list)
+    # Its row of the state pool, for a model with stateful layers (cbcore/state_slots.py); None without one.
+    state_slot: int | None = None
+    # Slots reserved at admission for the children a `num_return_sequences` parent will fork.
+    child_state_slots: list[int] = field(default_factory=list)
     # While swapped out: the host blocks holding its first `num_computed_tokens` tokens' K/V (block_table is empty).
     host_blocks: list[int] = field(default_factory=list)
     # How many leading blocks of `block_table` have been offered to the prefix cache (full blocks only).

@@ -24,6 +24,7 @@ from .compiled_step import StepForward
 from .plan import BlockCopies, PlannedRequest, StepPlan
 from .sampling import SEED_KWARG, Sampler
 from .scheduler import ScheduledBatch, ScheduledRequest
+from .state_layers import StatePool, StateRow, StateStep
 
 
 @dataclass
@@ -48,12 +49,15 @@ class ModelRunner:
     """Runs an unmodified transformers model on packed batches over the paged cache."""
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, sampler: Sampler,
-                 compile_configs: tuple[CompileConfig | None, CompileConfig | None] = (None, None)) -> None:
+                 compile_configs: tuple[CompileConfig | None, CompileConfig | None] = (None, None),
+                 state_pool: StatePool | None = None) -> None:
         """`compile_configs`: (varlen, decode) compile configs of the step's forward (cbcore/compiled_step.py); None
-        runs that path eagerly."""
+        runs that path eagerly. `state_pool`: the stateful layers' per-request states (cbcore/state_layers.py), for
+        a model that has such layers."""
         self.model = model
         self.cache = cache
         self.sampler = sampler
+        self.state_pool = state_pool
         self.device = cache.device
         # A forward without `logits_to_keep` (TrOCR, Whisper decoders) computes every row's logits; the emitting
         # rows are picked afterwards. Exact, at the cost of the LM head over a prefill's every token.
@@ -81,6 +85,8 @@ class ModelRunner:
             targets = torch.tensor([t for _, t in copies.device_to_device], dtype=torch.long, device=self.device)
             for pages in keys + values:
                 pages.index_copy_(0, targets, pages.index_select(0, sources))
+        if copies.state_copies:  # forked children start from their parent's state
+            self.state_pool.copy_slots(copies.state_copies)
         if copies.host_to_device:
             host_blocks, device_blocks = zip(*copies.host_to_device)
             pool.swap_in(keys, values, list(host_blocks), list(device_blocks))
@@ -146,6 +152,11 @@ class ModelRunner:
             cascade_decode=self.cascade_decode,
             positions=positions_tensor,
         )
+        if self.state_pool is not None:
+            step.states = StateStep(self.state_pool, [
+                StateRow(cu_q[i], len(request.token_ids), request.state_slot, request.start > 0)
+                for i, request in enumerate(ordered)
+            ])
         emitting = [i for i, request in enumerate(ordered) if request.emits_token]
         emit_rows = [cu_q[i + 1] - 1 for i in emitting]
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=device)

@@ -76,7 +76,7 @@ class ScheduledBatch:
             start, end = state.num_computed_tokens, state.num_computed_tokens + item.num_tokens
             tokens = state.all_tokens
             requests.append(PlannedRequest(state.request_id, tokens[start:end], start, state.block_table[:],
-                                           end == len(tokens)))
+                                           end == len(tokens), state.state_slot))
         return StepPlan(requests, self.copies)
 
 
@@ -231,6 +231,9 @@ class Scheduler:
             if batch.requests and not self._within_safety_margin():
                 break  # keep headroom for the running requests' growth
             swapped = bool(state.host_blocks)
+            slots = self.cache.state_slots
+            if slots is not None and not slots.can_take(state):
+                break  # waits for a state slot (a running request's end frees one)
             if not swapped and self.cache.allow_prefix_sharing and self._prefix_in_flight(state):
                 self.num_deferred_admissions += 1
                 continue
@@ -252,6 +255,8 @@ class Scheduler:
                 # Never past the end reserved for: the take may skip fewer tokens than the peek saw.
                 num_tokens = min(end - state.num_computed_tokens, token_budget)
                 self.cache.grow(state, state.num_computed_tokens + num_tokens)
+            if slots is not None:
+                slots.take(state)
             self.waiting.remove(state)
             self.num_prefix_hit_tokens += hit_tokens
             state.num_prefix_hit_tokens = hit_tokens
@@ -319,6 +324,8 @@ class Scheduler:
             position += 1
             batch.forked.append(child)
         parent.num_children = 0
+        if self.cache.state_slots is not None:  # slots reserved for children cancelled before their fork
+            self.cache.state_slots.release_reserved(parent)
 
     def _within_safety_margin(self) -> bool:
         available = self.cache.allocator.num_available

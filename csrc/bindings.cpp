@@ -17,6 +17,7 @@
 #include <unordered_map>
 
 #include "allocator/block_allocator.h"
+#include "allocator/slot_allocator.h"
 #include "attention/cpu_attention_bindings.h"
 #include "linear/packed_linear.h"
 #include "runtime/openmp_team.h"
@@ -178,11 +179,42 @@ Bad arguments raise ValueError and change nothing; running out of blocks raises 
 }
 
 }  // namespace
+void bind_slot_allocator(py::module_& m) {
+  py::class_<SlotAllocator>(m, "SlotAllocator", R"doc(
+Refcounted state-slot ids for layers with a per-request recurrent or convolutional state (C++; see
+csrc/allocator/slot_allocator.h). A slot is FREE (refcount 0, in the free list) or HELD (refcount >= 1,
+one per holder). Bad arguments raise ValueError and change nothing; running out of slots raises
+RuntimeError.
+)doc")
+      .def(py::init<int>(), py::arg("num_slots"), "Slots [0, num_slots). ValueError if num_slots < 1.")
+      .def_property_readonly("num_slots", &SlotAllocator::num_slots, "Total number of slots.")
+      .def_property_readonly("num_free", &SlotAllocator::num_free, "Slots in the free list.")
+      .def_property_readonly("num_held", &SlotAllocator::num_held, "Slots with at least one holder.")
+      .def("refcount", &SlotAllocator::refcount, py::arg("slot"), "Holders of one slot.")
+      .def("allocate", &SlotAllocator::allocate, py::arg("n"),
+           "n free slots with refcount 1. RuntimeError (nothing changes) when fewer are free.")
+      .def("free", &SlotAllocator::free, py::arg("slots"),
+           "One reference less on each slot; a slot reaching 0 is free again. ValueError (nothing changes) for a "
+           "bad id or a slot released more often than held.")
+      .def("share", &SlotAllocator::share, py::arg("slots"),
+           "One reference more on each held slot. ValueError (nothing changes) for a bad id or a free slot.")
+      .def("check", &SlotAllocator::check, "RuntimeError naming the broken invariant, if any.")
+      .def("check_holders", &SlotAllocator::check_holders, py::arg("holders"),
+           "check(), and every refcount equals holders[slot] (0 for a slot not named).")
+      .def("_corrupt_refcount_for_testing", &SlotAllocator::corrupt_refcount_for_testing, py::arg("slot"),
+           py::arg("delta"), "Test only: change one refcount without the free list.")
+      .def("__repr__", [](const SlotAllocator& a) {
+        return "SlotAllocator(num_slots=" + std::to_string(a.num_slots()) + ", free=" + std::to_string(a.num_free()) +
+               ")";
+      });
+}
+
 }  // namespace cbcore
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "cbcore's C++ extension: the KV-cache block allocator, the CPU attention kernels, the packed linears, the swap pool and the OpenMP team release.";
   cbcore::bind_block_allocator(m);
+  cbcore::bind_slot_allocator(m);
   cbcore::register_cpu_attention_bindings(m);
   cbcore::register_cpu_step_attention_bindings(m);
   cbcore::register_swap_bindings(m);

@@ -36,6 +36,8 @@ from ..compiled_step import resolve_compile_configs
 from ..runner import StepResult
 from ..sampling import LogitsProcessorSwitch, Sampler
 from ..scheduler import SCHEDULING_ORDERS, ScheduledBatch, ScheduledRequest, Scheduler
+from ..state_layers import StatePool, probe_state_specs, state_layer_modules
+from ..state_slots import StateSlots
 from ..switches import env_switch
 from .model_binding import ModelBinding
 from .sizing import absolute_position_limit, allocation_error, gib, plan_num_host_blocks, plan_sizes
@@ -75,12 +77,23 @@ class EngineCore:
         self._position_limit = absolute_position_limit(model)
         device = model.device
         shape = CacheShape.from_model(model, model.dtype)
-        sizes = plan_sizes(model, shape, cb_config, workload_hints)
+        # Layers with a per-request state (hybrid and recurrent models): one slot per running request.
+        state_specs = probe_state_specs(model) if state_layer_modules(model) else []
+        compile_configs = resolve_compile_configs(cb_config, generation_config)
+        if state_specs:
+            _check_stateful_options(model, compile_configs, tensor_parallel)
+        sizes = plan_sizes(model, shape, cb_config, workload_hints, StatePool.bytes_per_slot(state_specs))
         if tensor_parallel is not None:  # sized from each rank's own memory; the driver's block ids exist everywhere
             (num_blocks,) = tensor_parallel.agree_min([sizes.num_blocks], "the number of KV-cache blocks")
             sizes = dataclasses.replace(sizes, num_blocks=num_blocks)
+        state_slots = StateSlots(sizes.max_requests_per_batch) if state_specs else None
+        # Prefix sharing needs each shared prefix's state too (snapshots at block boundaries), which cbcore does not
+        # keep yet: a model with stateful layers computes every prompt whole (forks still share their parent's K/V).
+        allow_prefix_sharing = cb_config.allow_block_sharing and not state_specs
+        self.state_pool = self._allocate_state_pool(state_specs, sizes.max_requests_per_batch, device)
         try:
-            self.cache = PagedKVCache(shape, sizes.num_blocks, cb_config.page_size, device, cb_config.allow_block_sharing)
+            self.cache = PagedKVCache(shape, sizes.num_blocks, cb_config.page_size, device, allow_prefix_sharing,
+                                      state_slots)
         except (RuntimeError, MemoryError, OSError) as error:  # torch: RuntimeError; a large CPU cache's mmap: OSError
             percent = cb_config.max_memory_percent
             option = (f"num_blocks={sizes.num_blocks}" if cb_config.num_blocks is not None else
@@ -113,8 +126,7 @@ class EngineCore:
             generation_config, processors_for, cb_config.return_logprobs, cb_config.seed,
             cb_config.per_request_processors, logit_processor, do_sample,
         )
-        self.runner = make_runner(tensor_parallel, model, self.cache, sampler,
-                                  resolve_compile_configs(cb_config, generation_config))
+        self.runner = make_runner(tensor_parallel, model, self.cache, sampler, compile_configs, self.state_pool)
         cb_config.num_blocks = sizes.num_blocks
         cb_config.max_batch_tokens = sizes.max_batch_tokens
         cb_config.max_requests_per_batch = sizes.max_requests_per_batch
@@ -128,6 +140,21 @@ class EngineCore:
         # The parameters' in-place version counters when last looked at (see notice_weight_changes).
         self._weights_signature: int | None = None
         self.debug = env_switch(DEBUG_ENV, default=False)
+
+    @staticmethod
+    def _allocate_state_pool(specs, num_slots: int, device: torch.device) -> StatePool | None:
+        """The stateful layers' states for `num_slots` running requests (None for a model without such layers)."""
+        if not specs:
+            return None
+        try:
+            pool = StatePool(specs, num_slots, device)
+        except (RuntimeError, MemoryError) as error:
+            needed = num_slots * StatePool.bytes_per_slot(specs)
+            raise allocation_error(f"state pool of {num_slots} slots", f"max_requests_per_batch={num_slots}",
+                                   needed, device, error) from error
+        logger.info(f"cbcore: state pool of {num_slots} slots ({gib(pool.nbytes)} GiB, "
+                    f"{StatePool.bytes_per_slot(specs)} bytes per request over {len(pool.layers)} stateful layers)")
+        return pool
 
     def _enable_swap(self, shape: CacheShape, cfg: ContinuousBatchingConfig) -> None:
         bytes_per_block = shape.bytes_per_token * cfg.page_size
@@ -448,6 +475,22 @@ class EngineCore:
             stats.update(host_blocks=swap.num_host_blocks, host_blocks_free=swap.num_free,
                          host_tier_blocks=swap.tier.num_blocks)
         return stats
+
+
+def _check_stateful_options(model: torch.nn.Module, compile_configs, tensor_parallel) -> None:
+    """Refuse what cbcore does not do yet for a model with stateful layers, naming it."""
+    name = type(model).__name__
+    if any(config is not None for config in compile_configs):
+        raise NotImplementedError(
+            f"{name} has layers with a per-request state, which cbcore runs per request outside a compiled graph; "
+            "the compiled step is not supported for it yet: leave compile_config and default_compile_level unset "
+            "(or set CBCORE_COMPILE=0)"
+        )
+    if tensor_parallel is not None:
+        raise NotImplementedError(
+            f"{name} has layers with a per-request state; tensor parallelism does not shard their state pool yet: "
+            "serve it on one process"
+        )
 
 
 def split_child_id(request_id: str) -> tuple[str | None, int]:

@@ -1,9 +1,10 @@
 """What cbcore does to a model while it serves it, and undoes after: its attention implementation switched to
 cbcore's paged attention, on CPU its `nn.Linear` layers given prepacked oneDNN weights (cbcore/linear.py), and for
 a decoder that computes positions itself, the step's positions handed to its positional embeddings
-(cbcore/positions.py).
+(cbcore/positions.py), and for a model with stateful layers, those layers run on each request's state slot
+(cbcore/state_layers.py).
 
-All three act only inside cbcore's steps: outside them the model's own attention and linears run, so the model stays
+All four act only inside cbcore's steps: outside them the model's own attention and linears run, so the model stays
 usable (its `generate`, a training forward) while bound. `EngineCore.step()` refuses to run on an unbound model: the
 forward would ignore the paged cache and give wrong tokens without an error.
 """
@@ -18,6 +19,7 @@ from .. import attention
 from ..linear import PackedLinears
 from ..model_support import language_root, reference_attn_implementation
 from ..positions import StepPositions
+from ..state_layers import StateLayers
 
 
 class ModelBinding:
@@ -31,13 +33,14 @@ class ModelBinding:
         self.original_attn_implementation: str | None = None
         self._packed_linears: PackedLinears | None = None
         self._step_positions: StepPositions | None = None
+        self._state_layers: StateLayers | None = None
         # Set by attach(), cleared by detach(). Not read off the config: a composite model's top-level config may
         # name another implementation than its language model's.
         self.attached = False
 
     def attach(self) -> None:
-        """Switch the model's attention to cbcore's paged attention, on CPU pack its linear layers, and hook the
-        positional embeddings of a decoder that computes positions itself."""
+        """Switch the model's attention to cbcore's paged attention, on CPU pack its linear layers, hook the
+        positional embeddings of a decoder that computes positions itself and bind stateful layers to their slots."""
         with self._lock:
             name = attention.register()
             current = self.model.config._attn_implementation
@@ -51,6 +54,8 @@ class ModelBinding:
                 self._packed_linears = PackedLinears.attach(self.model)
             if self._step_positions is None:
                 self._step_positions = StepPositions.attach(self.model, language_root(self.model))
+            if self._state_layers is None:
+                self._state_layers = StateLayers.attach(self.model)
             self.attached = True
 
     def notice_replaced_weights(self) -> None:
@@ -69,6 +74,9 @@ class ModelBinding:
             if self._step_positions is not None:
                 self._step_positions.detach()
                 self._step_positions = None
+            if self._state_layers is not None:
+                self._state_layers.detach()
+                self._state_layers = None
             if self.original_attn_implementation is not None:
                 self.model.set_attn_implementation(self.original_attn_implementation)
                 self.original_attn_implementation = None

@@ -150,10 +150,13 @@ class EngineSizes:
 
 
 def plan_sizes(
-    model: torch.nn.Module, shape: CacheShape, cfg: ContinuousBatchingConfig, hints: WorkloadHints | None
+    model: torch.nn.Module, shape: CacheShape, cfg: ContinuousBatchingConfig, hints: WorkloadHints | None,
+    state_bytes_per_request: int = 0,
 ) -> EngineSizes:
     """Budgets and block count for `model` on its device. An explicit `num_blocks` that does not fit in the memory
-    available is refused here, naming it, rather than failing in the allocator."""
+    available is refused here, naming it, rather than failing in the allocator. `state_bytes_per_request`: what one
+    running request's states take in a model with stateful layers (one slot per request of a step's budget, set
+    aside before the blocks are sized)."""
     device = model.device
     max_requests = cfg.max_requests_per_batch
     if max_requests is None:
@@ -168,6 +171,7 @@ def plan_sizes(
             longest = hints.max_prompt_length + max(hints.max_generated_length, 1)
             useful = useful_blocks(hints.num_requests, longest, cfg.page_size)
         reserved = activation_bytes(model, max_batch_tokens, max_requests)
+        reserved += min(max_requests, max_batch_tokens) * state_bytes_per_request
         num_blocks = plan_num_blocks(shape, cfg.page_size, device, percent, reserved, useful)
     else:
         check_cache_fits(shape, num_blocks, cfg.page_size, device)
