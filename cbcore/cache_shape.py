@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import probe_kv_shapes
+from .state_layers import state_layer_modules
 
 
 @dataclass(frozen=True)
@@ -78,9 +79,21 @@ class CacheShape:
         to the config when the probe cannot run; the start-up self-check verifies the numbers either way."""
         probed = probe_kv_shapes(model)
         config = model.config.get_text_config()
-        if probed is None or sorted(probed) != list(range(config.num_hidden_layers)):
+        layers = list(range(config.num_hidden_layers))
+        if probed and sorted(probed) != layers and state_layer_modules(model):
+            # A hybrid (attention in some layers, a stateful mixer in the others): every layer gets the attention
+            # layers' page shape, so that the host pool's one block shape holds them. The stateful layers' pages
+            # are never read; sizing them to nothing is left for later (docs/design.md, "Per-request state").
+            shapes = set(probed.values())
+            if len(shapes) == 1:
+                return cls.from_layers([next(iter(shapes))] * len(layers), dtype)
+        if probed is None and state_layer_modules(model) and not getattr(config, "num_attention_heads", None):
+            # A recurrent model without attention (Mamba): pages of one element per token and layer. The blocks still
+            # bound each request's tokens and carry the scheduler's bookkeeping; attention never reads them.
+            return cls(len(layers), 1, 1, dtype)
+        if probed is None or sorted(probed) != layers:
             return cls.from_model_config(model.config, dtype)
-        return cls.from_layers([probed[layer] for layer in range(config.num_hidden_layers)], dtype)
+        return cls.from_layers([probed[layer] for layer in layers], dtype)
 
 
 def _attention_dims(config) -> tuple[int, int, int]:

@@ -122,8 +122,14 @@ def unsupported_reasons(model: torch.nn.Module) -> list[str]:
 
     state_layers = [m for _, m in state_layer_modules(model)]
     inside = {id(sub) for layer in state_layers for sub in layer.modules()}
-    stateful = sorted({type(m).__name__ for m in _decoder_layer_modules(model, config)
-                       if _is_stateful(m) and id(m) not in inside})
+    if state_layers:
+        # A model that keeps state through the cache API names its blocks and norms after it (MambaBlock,
+        # MambaRMSNorm): only a convolution over the sequence outside those layers is a state cbcore cannot reach.
+        # Any other hidden state would change the logits of the self-check's chunked prefill and decodes.
+        stateful = sorted({type(m).__name__ for m in _decoder_layer_modules(model, config)
+                           if isinstance(m, torch.nn.Conv1d) and id(m) not in inside})
+    else:
+        stateful = sorted({type(m).__name__ for m in _decoder_layer_modules(model, config) if _is_stateful(m)})
     if stateful:
         reasons.append(
             f"it has layers with a recurrent or convolutional per-request state ({', '.join(stateful[:4])}) that "
@@ -141,7 +147,9 @@ def unsupported_reasons(model: torch.nn.Module) -> list[str]:
     if reasons:
         return reasons  # the attention checks below would only restate these
 
-    reasons += _signature_reasons(model)
+    # A recurrent model without attention (Mamba) has no positions to get wrong: its state orders the tokens.
+    position_free = bool(state_layers) and not attention_modules(model)
+    reasons += _signature_reasons(model, position_free)
     reasons += _attention_reasons(model, config, {m.layer_idx for m in state_layers})
     if not reasons:
         try:  # the cache's own reading of the model: what its attention layers receive (or its config says)
@@ -200,7 +208,7 @@ def _parameters(fn) -> tuple[set[str], bool]:
     return {p.name for p in params}, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-def _signature_reasons(model: torch.nn.Module) -> list[str]:
+def _signature_reasons(model: torch.nn.Module, position_free: bool = False) -> list[str]:
     names, takes_kwargs = _parameters(model.forward)
     reasons = []
     # position_ids may also travel through **kwargs to the language model (a multimodal wrapper's forward).
@@ -209,7 +217,7 @@ def _signature_reasons(model: torch.nn.Module) -> list[str]:
     # A decoder that computes positions from a cache length in its positional embeddings gets the step's positions
     # there (cbcore/positions.py).
     positions_hooked = bool(cache_length_position_embeddings(root))
-    if "position_ids" not in names and not reaches_decoder and not positions_hooked:
+    if "position_ids" not in names and not reaches_decoder and not positions_hooked and not position_free:
         reasons.append(
             "its forward takes no position_ids (it computes positions itself, which is wrong for a packed batch of "
             "several requests and for chunked prefill)"

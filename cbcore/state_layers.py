@@ -16,6 +16,13 @@ no model code:
   per layer), and once per other request (a prefill chunk, a request's first token). Outside steps the module's own
   forward runs untouched.
 
+Chunked prefill continues a request's state over several tokens, which `model.generate` never asks of a layer (it
+prefills a prompt at once, then decodes one token at a time). Some layers ignore the state there: transformers'
+Mamba-1 mixers (Mamba, FalconMamba, Jamba) run their multi-token selective scan from zeros. Each bound module is
+therefore tested once, on its first step (`_continues_over_chunks`): a 6-token input run at once against the same
+run as 3 + 3 tokens. A module that does not continue its state is given its continuation chunks one token at a time
+(its decode form, which does read the state), and refused if even that differs.
+
 The step's rows for this come from the plan (`StateStep`, built once per step by the runner, read by every layer).
 """
 
@@ -310,6 +317,8 @@ def _bound_forward(module: torch.nn.Module, forward):
     names = list(parameters)
     if cache_name is None:
         raise ValueError(f"{type(module).__name__}.forward takes no `cache`: cbcore cannot hand it its state")
+    # How the module continues a state over a multi-token chunk: None until tested on its first step.
+    mode: dict[str, bool] = {}
 
     def forward_in_step(*args, **kwargs):
         step = current_step()
@@ -324,15 +333,56 @@ def _bound_forward(module: torch.nn.Module, forward):
         arguments[cache_name] = None
         if "attention_mask" in arguments:
             arguments["attention_mask"] = None  # no padding in a packed step
-        return _run_by_request(module, forward, hidden, arguments, cache_name, states)
+        if "one_token_at_a_time" not in mode:
+            mode["one_token_at_a_time"] = not _continues_over_chunks(module, forward, hidden, arguments, cache_name,
+                                                                     states.pool.layer_tensors(module.layer_idx))
+        return _run_by_request(module, forward, hidden, arguments, cache_name, states, mode["one_token_at_a_time"])
 
     forward_in_step.__wrapped__ = forward
     return forward_in_step
 
 
+# How far a module's chunked output may be from its whole-input output, relative to how much the state changes that
+# output at all (the same tokens run from no state): a layer that continues its state differs by rounding (~1e-5 of
+# the state's effect in fp32), one that restarts from zeros by the whole effect.
+_CONTINUATION_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
+
+
+def _continues_over_chunks(module, forward, hidden: torch.Tensor, arguments: dict[str, Any], cache_name: str,
+                           tensors: dict[tuple[str, int], torch.Tensor]) -> bool:
+    """Whether `module` continues a state over a multi-token chunk: a seeded 6-token input run at once, then as
+    3 + 3 tokens. If not, whether its one-token form does (3 + 1 + 1 + 1); RuntimeError if neither."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn((1, 6, hidden.shape[-1]), generator=generator).to(hidden)
+
+    def run(inputs: torch.Tensor, splits: list[int]) -> torch.Tensor:
+        scratch = {key: torch.zeros((1, *t.shape[1:]), dtype=t.dtype, device=t.device) for key, t in tensors.items()}
+        outputs, start = [], 0
+        for count in splits:
+            cache = SlotStates(module.layer_idx, scratch, has_previous=start > 0)
+            outputs.append(forward(inputs[:, start : start + count], **{**arguments, cache_name: cache}))
+            start += count
+        return torch.cat(outputs, dim=1).float()[:, -3:]
+
+    whole = run(x, [6])
+    effect = float((run(x[:, 3:], [3]) - whole).abs().max())  # what the first 3 tokens' state changes
+    if effect <= 1e-6 * max(1.0, float(whole.abs().max())):
+        return True  # the state changes nothing measurable: either form is exact
+    tolerance = _CONTINUATION_TOLERANCE.get(hidden.dtype, 0.25) * effect
+    if float((run(x, [3, 3]) - whole).abs().max()) <= tolerance:
+        return True
+    if float((run(x, [3, 1, 1, 1]) - whole).abs().max()) <= tolerance:
+        return False
+    raise RuntimeError(
+        f"{type(module).__name__} (layer {module.layer_idx}) does not continue its state from one chunk to the next, "
+        "in its multi-token form or its one-token form; cbcore cannot split a prompt over steps for it"
+    )
+
+
 def _run_by_request(module, forward, hidden: torch.Tensor, arguments: dict[str, Any], cache_name: str,
-                    states: StateStep) -> torch.Tensor:
-    """The module's output over the packed batch `[1, T, hidden]`, each request run on its own state."""
+                    states: StateStep, one_token_at_a_time: bool = False) -> torch.Tensor:
+    """The module's output over the packed batch `[1, T, hidden]`, each request run on its own state (a
+    continuation chunk one token at a time for a module whose multi-token form ignores the state)."""
     layer_idx = module.layer_idx
     tensors = states.pool.layer_tensors(layer_idx)
     pieces: list[tuple[int, torch.Tensor]] = []
@@ -352,8 +402,15 @@ def _run_by_request(module, forward, hidden: torch.Tensor, arguments: dict[str, 
     for row in states.singles:
         rows = {key: t[row.slot : row.slot + 1] for key, t in tensors.items()}
         cache = SlotStates(layer_idx, rows, has_previous=row.has_previous)
-        out = forward(hidden[:, row.start : row.start + row.num_tokens], **{**arguments, cache_name: cache})
-        _check_output(module, out)
+        if one_token_at_a_time and row.has_previous and row.num_tokens > 1:
+            outs = []
+            for index in range(row.start, row.start + row.num_tokens):
+                outs.append(forward(hidden[:, index : index + 1], **{**arguments, cache_name: cache}))
+                _check_output(module, outs[-1])
+            out = torch.cat(outs, dim=1)
+        else:
+            out = forward(hidden[:, row.start : row.start + row.num_tokens], **{**arguments, cache_name: cache})
+            _check_output(module, out)
         pieces.append((row.start, out))
     pieces.sort(key=lambda piece: piece[0])
     return pieces[0][1] if len(pieces) == 1 else torch.cat([piece for _, piece in pieces], dim=1)

@@ -201,12 +201,29 @@ def _scaled(value, global_value, tiny_global):
     return value
 
 
+# Hybrids whose shrunk default config would keep only their stateful layers (or only their attention layers): the
+# layout that gives the 2-layer model one of each (layer 0 stateful, layer 1 attention), and configs whose defaults
+# do not shrink consistently. The stateful layers are what these types are in the sweep for.
+STATE_LAYOUTS: dict[str, dict] = {
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
+    "bamba": {"attn_layer_indices": [1]},
+    "granitemoehybrid": {"layer_types": ["mamba", "attention"]},
+    "zamba": {"layers_block_type": ["mamba", "hybrid"]},
+    "zamba2": {"layers_block_type": ["mamba", "hybrid"]},
+    "lfm2": {"layer_types": ["conv", "full_attention"]},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    "mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 1},
+    "bailing_hybrid": {"n_group": 1, "topk_group": 1},
+}
+
+
 def tiny_config(model_type: str):
-    """The default config of `model_type`, shrunk to a 2-layer, 64-wide, 128-token-vocabulary model."""
+    """The default config of `model_type`, shrunk to a 2-layer, 64-wide, 128-token-vocabulary model (a hybrid's
+    with one stateful and one attention layer, `STATE_LAYOUTS`)."""
     from transformers import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
-    config = config_class(**_shrink(config_class()))
+    config = config_class(**{**_shrink(config_class()), **STATE_LAYOUTS.get(model_type, {})})
     for target in (config, config.get_text_config()):
         if hasattr(target, "tie_word_embeddings"):
             target.tie_word_embeddings = False
