@@ -28,7 +28,9 @@ The step's rows for this come from the plan (`StateStep`, built once per step by
 
 from __future__ import annotations
 
+import ast
 import inspect
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +38,9 @@ import torch
 
 from .attention import STEP_KWARG, current_step
 
-# The Cache API calls that mark a module as a stateful layer bound through the cache (found in the source of its
-# class: transformers' mixers call them from `forward` or from the torch path `forward` dispatches to).
+# The Cache API calls that mark a module as a stateful layer bound through the cache, found in the source of its
+# class (transformers 5.24's mixers call them from `forward` or the torch path it dispatches to) or of a function of
+# its modeling file that the class calls with the cache (5.25's `causal_conv1d_forward`, `mamba_scan_forward`).
 _STATE_API_CALLS = ("get_conv_state(", "update_conv_state(", "get_recurrent_state(", "update_recurrent_state(")
 
 # Keyword arguments the decoder layers hand down that mean nothing to a stateful layer called on one request: cbcore's
@@ -45,6 +48,24 @@ _STATE_API_CALLS = ("get_conv_state(", "update_conv_state(", "get_recurrent_stat
 _DROPPED_KWARGS = frozenset({STEP_KWARG, "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"})
 
 _source_cache: dict[type, bool] = {}
+_state_functions_cache: dict[str, frozenset[str]] = {}
+
+
+def _state_functions(module_name: str) -> frozenset[str]:
+    """Names of the top-level functions of a modeling file that call the cache's state API."""
+    if module_name not in _state_functions_cache:
+        names: set[str] = set()
+        try:
+            source = inspect.getsource(sys.modules[module_name])
+            for node in ast.parse(source).body:
+                if isinstance(node, ast.FunctionDef):
+                    body = ast.get_source_segment(source, node) or ""
+                    if any(call in body for call in _STATE_API_CALLS):
+                        names.add(node.name)
+        except (OSError, TypeError, KeyError, SyntaxError):
+            pass
+        _state_functions_cache[module_name] = frozenset(names)
+    return _state_functions_cache[module_name]
 
 
 def is_state_layer(module: torch.nn.Module) -> bool:
@@ -56,7 +77,8 @@ def is_state_layer(module: torch.nn.Module) -> bool:
             source = inspect.getsource(cls)
         except (OSError, TypeError):
             source = ""
-        _source_cache[cls] = any(call in source for call in _STATE_API_CALLS)
+        calls = _STATE_API_CALLS + tuple(f"{name}(" for name in _state_functions(cls.__module__))
+        _source_cache[cls] = any(call in source for call in calls)
     return _source_cache[cls] and isinstance(getattr(module, "layer_idx", None), int)
 
 

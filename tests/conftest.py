@@ -115,6 +115,9 @@ def assert_engine_clean(manager: cbcore.ContinuousBatchingManager) -> None:
     allocator = manager.cache.allocator
     assert allocator.num_referenced == 0, "a block is still referenced after every request ended"
     assert allocator.num_free + allocator.num_cached_unused == manager.cache.num_blocks
+    slots = manager.cache.state_slots
+    if slots is not None:
+        assert slots.num_free == slots.num_slots, "a state slot is still held after every request ended"
 
 
 def run_engine(

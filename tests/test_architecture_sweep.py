@@ -29,10 +29,12 @@ REPRESENTATIVE = {
     "gpt_oss": (sweep.SAME, ""),  # attention sinks
     "deepseek_v3": (sweep.SAME, ""),  # multi-head latent attention (separate K/V head dims)
     "qwen2_moe": (sweep.SAME, ""),
-    "qwen3_next": (sweep.REFUSED, "per-request state"),  # hybrid: gated delta-net layers
-    "jamba": (sweep.REFUSED, "per-request state"),  # hybrid: Mamba layers
-    "mamba": (sweep.REFUSED, "per-request state"),  # no attention at all
-    "rwkv": (sweep.REFUSED, "per-request state"),
+    "qwen3_next": (sweep.SAME, ""),  # hybrid: gated delta-net layers on state slots
+    "jamba": (sweep.SAME, ""),  # hybrid: a Mamba-1 mixer, continued one token at a time
+    "mamba": (sweep.SAME, ""),  # no attention at all
+    "lfm2": (sweep.SAME, ""),  # short convolutions (conv states only)
+    "rwkv": (sweep.REFUSED, "outside transformers' cache API"),
+    "zamba": (sweep.REFUSED, "no integer layer_idx"),  # a Mamba hybrid whose attention block is shared
     "llama4_text": (sweep.REFUSED, "chunked_attention"),
     "bart": (sweep.SAME, ""),  # positions from a cache length: the step's positions handed to its embedding
     "marian": (sweep.SAME, ""),  # the same, sinusoidal positions

@@ -26,21 +26,32 @@ def _manager(model: torch.nn.Module) -> cbcore.ContinuousBatchingManager:
     return cbcore.ContinuousBatchingManager(model, greedy_config(4), cbcore.ContinuousBatchingConfig(page_size=4))
 
 
-def test_a_hybrid_model_is_refused_at_start_before_anything_is_built() -> None:
-    model = sweep.build_model("qwen3_next")
+def test_state_kept_outside_the_cache_api_is_refused_at_start_before_anything_is_built() -> None:
+    model = sweep.build_model("minimax")  # lightning attention keeps its state in its own cache layer
     before = model.config._attn_implementation
     manager = _manager(model)
-    with pytest.raises(UnsupportedModelError, match="Qwen3NextForCausalLM.*per-request state"):
+    with pytest.raises(UnsupportedModelError, match="MiniMaxForCausalLM.*per-request state.*outside transformers' "
+                                                   "cache API"):
         manager.start()
     assert manager.cache is None and not manager.is_running()
     assert _untouched(model, before)
 
 
-def test_warmup_refuses_a_model_without_attention_heads() -> None:
-    manager = _manager(sweep.build_model("mamba"))
-    with pytest.raises(NotImplementedError, match="MambaForCausalLM"):
+def test_warmup_refuses_a_recurrent_model_without_the_cache_api() -> None:
+    manager = _manager(sweep.build_model("rwkv"))
+    with pytest.raises(NotImplementedError, match="RwkvForCausalLM"):
         manager.warmup()
     assert manager.cache is None
+
+
+def test_a_hybrid_model_is_served_and_unbound_after() -> None:
+    model = sweep.build_model("qwen3_next")
+    before = model.config._attn_implementation
+    manager = _manager(model)
+    manager.start()
+    manager.stop(block=True, timeout=60)
+    assert _untouched(model, before)
+    assert not any("forward" in module.__dict__ for module in model.modules()), "a stateful layer is still bound"
 
 
 def test_a_self_check_refusal_leaves_the_model_as_it_was() -> None:

@@ -474,6 +474,10 @@ class EngineCore:
             stats.update(swap.tier.counters)
             stats.update(host_blocks=swap.num_host_blocks, host_blocks_free=swap.num_free,
                          host_tier_blocks=swap.tier.num_blocks)
+        slots = self.cache.state_slots
+        if slots is not None:
+            stats.update(state_slots=slots.num_slots, state_slots_free=slots.num_free,
+                         state_bytes=self.state_pool.nbytes)
         return stats
 
 

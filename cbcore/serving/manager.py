@@ -450,7 +450,7 @@ class ContinuousBatchingManager(RequestSubmission, GenerationLoop):
         blocks free / cached (unused) / used; prefix-cache lookups, hits, hit rate and prompt tokens it saved;
         evictions; preemptions (swapped or recomputed); swaps out / in with bytes, host blocks free (for swap, counting
         the tier's), and the host tier's blocks kept, hits and drops (with `cpu_offload_space`); admissions deferred to
-        share an in-flight prefix. Safe to call from any thread (a snapshot that may be one step stale while the loop
+        share an in-flight prefix; for a model with stateful layers, its state slots (all, free) and their bytes. Safe to call from any thread (a snapshot that may be one step stale while the loop
         runs); empty before the engine is built."""
         return self.engine.stats() if self.engine is not None else {}
 
