@@ -84,7 +84,7 @@ class Timers:
 def main(argv: list[str] | None = None) -> int:
     """Profile one workload's steps and write the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workload", default="W1", choices=("W1", "W2", "W3", "W4"))
+    parser.add_argument("--workload", default="W1", choices=("W1", "W2", "W3", "W4", "W5"))
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from .attention import STEP_KWARG, current_step
+from .lazy_zeros import zeroed_pages
 
 # The Cache API calls that mark a module as a stateful layer bound through the cache, found in the source of its
 # class (transformers 5.24's mixers call them from `forward` or the torch path it dispatches to) or of a function of
@@ -160,9 +161,9 @@ class StatePool:
     def __init__(self, specs: list[StateSpec], num_slots: int, device: torch.device) -> None:
         self.specs = specs
         self.num_slots = num_slots
+        # Zero pages faulted in when first written (on the CPU, as the KV pages): slots nobody reaches cost nothing.
         self.tensors: dict[tuple[int, str, int], torch.Tensor] = {
-            (s.layer_idx, s.kind, s.index): torch.zeros((num_slots, *s.shape), dtype=s.dtype, device=device)
-            for s in specs
+            (s.layer_idx, s.kind, s.index): zeroed_pages((num_slots, *s.shape), s.dtype, device) for s in specs
         }
         self.layers = sorted({s.layer_idx for s in specs})
 
@@ -383,6 +384,7 @@ def _continues_over_chunks(module, forward, hidden: torch.Tensor, arguments: dic
         for count in splits:
             cache = SlotStates(module.layer_idx, scratch, has_previous=start > 0)
             outputs.append(forward(inputs[:, start : start + count], **{**arguments, cache_name: cache}))
+            _check_output(module, outputs[-1])
             start += count
         return torch.cat(outputs, dim=1).float()[:, -3:]
 

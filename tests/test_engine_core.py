@@ -157,8 +157,9 @@ def test_the_kernel_mode_is_resolved_once_when_the_engine_is_built(monkeypatch: 
 
 
 def _ids_and_ints(value) -> bool:
-    """Whether `value` is built of strings, ints, bools and tuples/lists of them only (no tensor, no live object)."""
-    if isinstance(value, (str, int, bool)):
+    """Whether `value` is built of strings, ints, bools, None (no state slot) and tuples/lists of them only (no
+    tensor, no live object)."""
+    if value is None or isinstance(value, (str, int, bool)):
         return True
     if isinstance(value, (tuple, list)):
         return all(_ids_and_ints(v) for v in value)

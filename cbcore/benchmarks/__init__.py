@@ -2,7 +2,7 @@
 wheel as well as from a source checkout.
 
     side_by_side.py   the command line: which peers, how many interleaved rounds, where results go; runs each peer
-    workloads.py      W1-W4: the exact requests every peer gets (token ids)
+    workloads.py      W1-W5: the exact requests every peer gets (token ids)
     models.py         the seeded random Llama of W1-W3 (saved once into a cache folder) and the default model of W4
     peers.py          one in-process peer (cbcore, transformers, model.generate) in its own child process
     vllm_runner.py    the vLLM-CPU peer, run by vLLM's own venv (never imports cbcore)

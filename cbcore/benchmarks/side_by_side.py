@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
             f"current directory when it is installed (a wheel, `pip install .`); here: {results}."
         ),
     )
-    parser.add_argument("--workload", choices=("W1", "W2", "W3", "W4"), required=True)
+    parser.add_argument("--workload", choices=("W1", "W2", "W3", "W4", "W5"), required=True)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument(
         "--peers",

@@ -6,8 +6,10 @@ Workloads (all seeded; prompts are token ids, so every peer gets exactly the sam
     W3 long decode    16 requests, 16-token prompts, 512 new tokens, no EOS
     W4 real text      the default model (SmolLM2-135M-Instruct) on 32 chat prompts with its chat template; stops at
                       EOS or 256 new tokens
+    W5 hybrid         32 requests, prompts uniform in 16..256 tokens, 64 new tokens, greedy, no EOS, on a hybrid model
 
-Models (`models.py`): W1-W3 run a seeded random Llama of 32M parameters, W4 the default model.
+Models (`models.py`): W1-W3 run a seeded random Llama of 32M parameters, W4 the default model, W5 a seeded random
+Qwen3.5-shaped hybrid (gated delta-net and attention layers) of about 100M parameters.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from cbcore.benchmarks.models import RANDOM_LLAMA, RANDOM_LLAMA_NAME, model_folder
+from cbcore.benchmarks.models import RANDOM_LLAMA, RANDOM_LLAMA_NAME, RANDOM_QWEN35, RANDOM_QWEN35_NAME, model_folder
 from cbcore.cli.prompts import DEFAULT_PROMPTS
 
 # 32 short chat prompts for W4: the CLI's 8 built-in ones, then questions, tasks and rewrites of varied length, so
@@ -55,7 +57,7 @@ class Workload:
 
     name: str
     description: str
-    model: str  # RANDOM_LLAMA_NAME or "default"
+    model: str  # RANDOM_LLAMA_NAME, RANDOM_QWEN35_NAME or "default"
     prompts: list[list[int]]
     max_new_tokens: int
     eos_token_id: int | list[int] | None  # None: generate exactly max_new_tokens (no EOS)
@@ -116,6 +118,15 @@ def long_decode(seed: int = 3) -> Workload:
     return Workload("W3", "long decode", RANDOM_LLAMA_NAME, prompts, 512, None, "16-token prompts, 512 new")
 
 
+def hybrid(seed: int = 5) -> Workload:
+    """W5: 32 requests, prompts uniform 16..256 tokens, 64 new tokens, on the random Qwen3.5-shaped hybrid."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(16, 257, (32,), generator=generator).tolist()
+    prompts = [_random_tokens(generator, n, RANDOM_QWEN35["vocab_size"]) for n in lengths]
+    return Workload("W5", "hybrid", RANDOM_QWEN35_NAME, prompts, 64, None,
+                    "prompts uniform 16..256 tokens, 64 new, gated delta-net + attention model")
+
+
 def real_text(tokenizer, eos_token_id: int | list[int], max_new_tokens: int = 256) -> Workload:
     """W4: the default model's chat template over `CHAT_PROMPTS`, ending at EOS (or `max_new_tokens`)."""
     prompts = []
@@ -129,11 +140,11 @@ def real_text(tokenizer, eos_token_id: int | list[int], max_new_tokens: int = 25
     )
 
 
-WORKLOADS = {"W1": mixed, "W2": shared_prefix, "W3": long_decode}
+WORKLOADS = {"W1": mixed, "W2": shared_prefix, "W3": long_decode, "W5": hybrid}
 
 
 def build_workload(name: str, limit_requests: int | None = None, max_new_tokens: int | None = None) -> Workload:
-    """Build W1..W4 by name (W4 loads the default model's tokenizer). `limit_requests` / `max_new_tokens` shrink
+    """Build W1..W5 by name (W4 loads the default model's tokenizer). `limit_requests` / `max_new_tokens` shrink
     it for smoke runs; the change is recorded in `extra`."""
     workload = _named_workload(name)
     if limit_requests is not None:
@@ -156,4 +167,4 @@ def _named_workload(name: str) -> Workload:
         tokenizer = AutoTokenizer.from_pretrained(folder)
         eos = GenerationConfig.from_pretrained(folder).eos_token_id
         return real_text(tokenizer, eos)
-    raise ValueError(f"unknown workload {name!r}; choose one of W1, W2, W3, W4")
+    raise ValueError(f"unknown workload {name!r}; choose one of W1, W2, W3, W4, W5")

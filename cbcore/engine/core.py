@@ -86,11 +86,11 @@ class EngineCore:
         if tensor_parallel is not None:  # sized from each rank's own memory; the driver's block ids exist everywhere
             (num_blocks,) = tensor_parallel.agree_min([sizes.num_blocks], "the number of KV-cache blocks")
             sizes = dataclasses.replace(sizes, num_blocks=num_blocks)
-        state_slots = StateSlots(sizes.max_requests_per_batch) if state_specs else None
+        state_slots = StateSlots(sizes.num_state_slots) if state_specs else None
         # Prefix sharing needs each shared prefix's state too (snapshots at block boundaries), which cbcore does not
         # keep yet: a model with stateful layers computes every prompt whole (forks still share their parent's K/V).
         allow_prefix_sharing = cb_config.allow_block_sharing and not state_specs
-        self.state_pool = self._allocate_state_pool(state_specs, sizes.max_requests_per_batch, device)
+        self.state_pool = self._allocate_state_pool(state_specs, sizes.num_state_slots, device)
         try:
             self.cache = PagedKVCache(shape, sizes.num_blocks, cb_config.page_size, device, allow_prefix_sharing,
                                       state_slots)
@@ -150,7 +150,7 @@ class EngineCore:
             pool = StatePool(specs, num_slots, device)
         except (RuntimeError, MemoryError) as error:
             needed = num_slots * StatePool.bytes_per_slot(specs)
-            raise allocation_error(f"state pool of {num_slots} slots", f"max_requests_per_batch={num_slots}",
+            raise allocation_error(f"state pool of {num_slots} slots", f"max_requests_per_batch (state slots: {num_slots})",
                                    needed, device, error) from error
         logger.info(f"cbcore: state pool of {num_slots} slots ({gib(pool.nbytes)} GiB, "
                     f"{StatePool.bytes_per_slot(specs)} bytes per request over {len(pool.layers)} stateful layers)")

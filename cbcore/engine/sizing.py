@@ -24,6 +24,11 @@ from ..config import ContinuousBatchingConfig
 # and 2048 (its server).
 DEFAULT_MAX_BATCH_TOKENS = {"cpu": 2048, "cuda": 8192}
 FALLBACK_MAX_REQUESTS_PER_BATCH = 1024  # transformers' fallback
+# State slots (models with stateful layers) when max_requests_per_batch is left to its fallback: vLLM's default
+# max_num_seqs on a GPU; on a CPU more requests at once than this only lengthen each step. Set
+# max_requests_per_batch to have more. The pool never takes more than STATE_MEMORY_SHARE of the memory available.
+DEFAULT_STATE_SLOTS = {"cpu": 64, "cuda": 256}
+STATE_MEMORY_SHARE = 0.25
 # On a CPU the KV cache lives in the same RAM as everything else; never take more than this by default, so a small
 # model on a laptop-sized machine cannot push it into swap (transformers takes 60% of free RAM on CPU). 1 GiB holds
 # 64 requests of 512 tokens for a 32-layer model with 8 KV heads of 128 in bf16 / 16 layers in fp32; a workload that
@@ -147,6 +152,7 @@ class EngineSizes:
     num_blocks: int
     max_batch_tokens: int
     max_requests_per_batch: int
+    num_state_slots: int = 0  # per-request state slots, for a model with stateful layers (0 without)
 
 
 def plan_sizes(
@@ -159,10 +165,15 @@ def plan_sizes(
     aside before the blocks are sized)."""
     device = model.device
     max_requests = cfg.max_requests_per_batch
+    wanted = hints.num_requests if hints is not None and hints.num_requests > 0 else None
     if max_requests is None:
-        wanted = hints.num_requests if hints is not None and hints.num_requests > 0 else None
         max_requests = min(wanted or FALLBACK_MAX_REQUESTS_PER_BATCH, FALLBACK_MAX_REQUESTS_PER_BATCH)
     max_batch_tokens = cfg.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS.get(device.type, 2048)
+    num_state_slots = 0
+    if state_bytes_per_request:
+        num_state_slots = plan_num_state_slots(min(max_requests, max_batch_tokens),
+                                               cfg.max_requests_per_batch is not None or wanted is not None,
+                                               state_bytes_per_request, device)
     num_blocks = cfg.num_blocks
     if num_blocks is None:
         percent = cfg.max_memory_percent or (CPU_MAX_MEMORY_PERCENT if device.type != "cuda" else 0.9)
@@ -171,11 +182,26 @@ def plan_sizes(
             longest = hints.max_prompt_length + max(hints.max_generated_length, 1)
             useful = useful_blocks(hints.num_requests, longest, cfg.page_size)
         reserved = activation_bytes(model, max_batch_tokens, max_requests)
-        reserved += min(max_requests, max_batch_tokens) * state_bytes_per_request
+        reserved += num_state_slots * state_bytes_per_request
         num_blocks = plan_num_blocks(shape, cfg.page_size, device, percent, reserved, useful)
     else:
         check_cache_fits(shape, num_blocks, cfg.page_size, device)
-    return EngineSizes(num_blocks, max_batch_tokens, min(max_requests, max_batch_tokens))
+    return EngineSizes(num_blocks, max_batch_tokens, min(max_requests, max_batch_tokens), num_state_slots)
+
+
+def plan_num_state_slots(max_requests: int, asked: bool, bytes_per_slot: int, device: torch.device) -> int:
+    """State slots for a model with stateful layers: one per request a step may run (`max_requests`) when the config
+    or the workload hints said how many; otherwise at most `DEFAULT_STATE_SLOTS`. Never more than
+    `STATE_MEMORY_SHARE` of the memory available; ValueError when not even one fits."""
+    slots = max_requests if asked else min(max_requests, DEFAULT_STATE_SLOTS.get(device.type, 64))
+    available, bound = _device_memory(device)
+    affordable = int(STATE_MEMORY_SHARE * available // bytes_per_slot)
+    if affordable < 1:
+        raise ValueError(
+            f"one request's per-layer states take {bytes_per_slot} bytes, more than {STATE_MEMORY_SHARE:.0%} of the "
+            f"{gib(available)} GiB of {device.type} memory available ({bound}); free memory"
+        )
+    return min(slots, affordable)
 
 
 def activation_bytes(model: torch.nn.Module, max_batch_tokens: int, max_requests: int) -> int:
