@@ -50,7 +50,11 @@ def decode_plan(data: list[int]) -> StepPlan:
 
 
 def encode_copies(copies: BlockCopies) -> torch.Tensor:
-    """A step's block copies as an int64 tensor."""
+    """A step's block copies as an int64 tensor. State-slot copies have no place here: a model with stateful layers
+    is refused under tensor parallelism (cbcore/engine/core.py), and a plan carrying them must not lose them."""
+    if copies.state_copies:
+        raise NotImplementedError("state-slot copies cannot be sent to tensor-parallel ranks: models with stateful "
+                                  "layers are not served under tensor parallelism")
     groups = (copies.device_to_device, copies.device_to_host, copies.host_to_device)
     flat = [len(group) for group in groups]
     for group in groups:
