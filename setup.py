@@ -61,7 +61,7 @@ def cpp_extensions() -> list:
             name="cbcore._C",
             sources=relative_sources(
                 "bindings.cpp", "allocator/*.cpp", "attention/cpu_*.cpp", "swap/swap.cpp", "linear/*.cpp", "runtime/*.cpp",
-                "sampling/*.cpp",
+                "sampling/*.cpp", "state_ops/*.cpp",
             ),
             include_dirs=[str(CSRC)],
             extra_compile_args={"cxx": CXX_FLAGS + openmp_flags()},

@@ -22,6 +22,7 @@
 #include "linear/packed_linear.h"
 #include "runtime/openmp_team.h"
 #include "sampling/greedy.h"
+#include "state_ops/state_ops.h"
 #include "swap/swap.h"
 
 #ifndef TORCH_EXTENSION_NAME
@@ -221,4 +222,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   cbcore::register_packed_linear_bindings(m);
   cbcore::register_runtime_bindings(m);
   cbcore::register_greedy_bindings(m);
+  cbcore::register_state_ops_bindings(m);
 }
