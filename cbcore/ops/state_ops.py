@@ -1,0 +1,305 @@
+"""The stateful layers' ops: causal depthwise conv1d with a conv state, and the gated delta rule with a recurrent state
+(Qwen3.5 / Qwen3-Next's linear attention layers). One Python face per op, picking its implementation like the
+attention ops in `cbcore.ops` (CBCORE_KERNELS through `kernel_mode()`): the C++ CPU kernel of `cbcore._C` for CPU
+tensors it takes, the plain-torch reference otherwise.
+
+States live in pools `[num_slots, ...]`, one slot per request, indexed by `slots` (int64 `[requests]`); a caller
+holding a `[batch, ...]` state tensor passes it with `slots = torch.arange(batch)`. The ops read and write the slots in
+place. A slot listed twice in one call is refused (ValueError), as is a slot outside the pool.
+
+Shapes (flat tensors only; packed requests as in the attention ops: request i's tokens are rows
+`cu_seqlens[i]:cu_seqlens[i + 1]` of the token dimension):
+    causal_conv1d_update   x [batch, C], conv_state [num_slots, C, K], weight [C, K], bias [C] | None -> [batch, C]
+    causal_conv1d_varlen   x [tokens, C], cu_seqlens [N + 1], has_initial_state [N] bool, ...        -> [tokens, C]
+    gated_delta_rule_recurrent  q, k [batch, Hk, Dk], v [batch, H, Dv], g, beta [batch, H],
+                                state float32 [num_slots, H, Dk, Dv]                                -> [batch, H, Dv]
+    gated_delta_rule_varlen     q, k [tokens, Hk, Dk], v [tokens, H, Dv], g, beta [tokens, H], cu_seqlens,
+                                has_initial_state, state                                            -> [tokens, H, Dv]
+H counts the value heads; Hk must divide it, value head h reading query/key head h // (H / Hk) (transformers'
+functions repeat_interleave q and k to H; Qwen3-Next's layer passes them unrepeated).
+
+Semantics: transformers' own torch functions in models/qwen3_next/modeling_qwen3_next.py, called per request, are the
+references here:
+  - the conv state keeps the last K inputs; a decode step (`causal_conv1d_update`) is `causal_conv1d_update` with one
+    token. In a varlen call, request i's left context is its slot's state when has_initial_state[i], zeros otherwise
+    (transformers' prefill pads a first chunk with zeros), its outputs are `causal_conv1d_fn` over (context, tokens),
+    and the last K inputs of (context, tokens) are written back. A request with no tokens keeps its state (or gets
+    zeros, without an initial state).
+  - the gated delta rule runs in fp32 whatever the inputs' dtype (the state is fp32, as transformers keeps it), output
+    in q's dtype: per token, q and k L2-normalised when use_qk_l2norm (x * rsqrt(sum x^2 + 1e-6)), q multiplied by
+    `scale` (None: Dk ** -0.5, transformers' fixed scale), then S *= exp(g); kv = k^T S; delta = (v - kv) * beta;
+    S += k delta^T; o = q^T S (`torch_recurrent_gated_delta_rule`). The varlen reference is
+    `torch_chunk_gated_delta_rule` (what transformers runs on a prompt), from each slot's state or zeros.
+
+The C++ kernels (csrc/state_ops/): fp32 and bf16 inputs of one dtype (the conv: x, conv state, weight and bias; the
+delta rule: q, k, v, with g and beta of any float dtype), contiguous last dimensions and contiguous state pools. The
+conv accumulates in fp32 and, as transformers' conv1d, rounds to the input dtype before the SiLU. The delta rule's
+varlen kernel is the recurrent form, token by token (each state element loaded and stored once per token); against
+the chunked reference it differs by fp32 rounding only: on 70-token requests from random states, at most ~1e-6
+relative to the output's scale (tests/test_state_ops.py holds it to 1e-5). Anything else (fp16, CUDA tensors, a
+strided pool) runs the reference under `auto` and raises under `CBCORE_KERNELS=cpu`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from types import ModuleType, SimpleNamespace
+
+import torch
+
+from . import KERNELS_ENV, _cpu_kernels, kernel_mode
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+_ACTIVATIONS = (None, "silu", "swish")  # transformers' ACT2FN maps both names to SiLU
+
+
+# ---- plain-torch references ------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _transformers() -> SimpleNamespace:
+    """transformers' torch functions, unwrapped from the hub-kernel decorators so that the torch code runs even where
+    the fla or causal-conv1d packages would replace it (and without its "falling back" warning)."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
+
+    return SimpleNamespace(
+        conv_update=inspect.unwrap(qwen3_next.causal_conv1d_update),
+        conv_fn=inspect.unwrap(qwen3_next.causal_conv1d_fn),
+        chunk_rule=inspect.unwrap(qwen3_next.torch_chunk_gated_delta_rule),
+        recurrent_rule=inspect.unwrap(qwen3_next.torch_recurrent_gated_delta_rule),
+        l2norm=qwen3_next.l2norm,
+    )
+
+
+def causal_conv1d_update_reference(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
+                                   weight: torch.Tensor, bias: torch.Tensor | None = None,
+                                   activation: str | None = None) -> torch.Tensor:
+    """transformers' `causal_conv1d_update` per request, on a view of its slot (which it updates in place)."""
+    _check_activation(activation)
+    ids = _check_slots(slots, x.shape[0], conv_state.shape[0])
+    out = torch.empty_like(x)
+    for i, slot in enumerate(ids):
+        out[i] = _transformers().conv_update(x[i, :, None][None], conv_state[slot:slot + 1], weight, bias,
+                                             activation)[0, :, 0]
+    return out
+
+
+def causal_conv1d_varlen_reference(x: torch.Tensor, cu_seqlens: torch.Tensor, conv_state: torch.Tensor,
+                                   slots: torch.Tensor, has_initial_state: torch.Tensor, weight: torch.Tensor,
+                                   bias: torch.Tensor | None = None, activation: str | None = None) -> torch.Tensor:
+    """Per request: the context (the slot's state, or nothing: a first chunk shorter than K is left-padded with zeros,
+    as transformers' `update_conv_state`) followed by the tokens, through transformers' `causal_conv1d_fn`; the last K
+    inputs written back to the slot."""
+    _check_activation(activation)
+    bounds = _check_cu_seqlens(cu_seqlens, x.shape[0])
+    ids = _check_slots(slots, len(bounds) - 1, conv_state.shape[0])
+    initial = _check_has_initial_state(has_initial_state, len(ids))
+    width = conv_state.shape[-1]
+    out = torch.empty_like(x)
+    for i, slot in enumerate(ids):
+        begin, end = bounds[i], bounds[i + 1]
+        tokens = x[begin:end].t()[None]  # [1, C, L]
+        if initial[i]:
+            full = torch.cat([conv_state[slot:slot + 1], tokens.to(conv_state.dtype)], dim=-1)
+        else:
+            full = torch.nn.functional.pad(tokens, (max(width - tokens.shape[-1], 0), 0))
+        conv_state[slot].copy_(full[0, :, -width:])
+        if end > begin:
+            out[begin:end] = _transformers().conv_fn(full, weight, bias, activation)[0, :, -(end - begin):].t()
+    return out
+
+
+def _rule_inputs(q: torch.Tensor, k: torch.Tensor, use_qk_l2norm: bool, scale: float | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """q, k and the l2norm flag to hand transformers' functions, whose scale is fixed at Dk ** -0.5: another scale is
+    folded into q after normalising it here (in fp32, as they do)."""
+    if scale is None:
+        return q, k, use_qk_l2norm
+    q, k = q.float(), k.float()
+    if use_qk_l2norm:
+        q, k = _transformers().l2norm(q, dim=-1, eps=1e-6), _transformers().l2norm(k, dim=-1, eps=1e-6)
+    return q * (scale * q.shape[-1] ** 0.5), k, False
+
+
+def gated_delta_rule_recurrent_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                         beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                                         use_qk_l2norm: bool = False, scale: float | None = None) -> torch.Tensor:
+    """transformers' `torch_recurrent_gated_delta_rule` per request (one token), from its slot's state, the final state
+    written back."""
+    ids = _check_slots(slots, q.shape[0], state.shape[0])
+    out = torch.empty(v.shape, dtype=q.dtype, device=v.device)
+    q_in, k_in, l2norm = _rule_inputs(q, k, use_qk_l2norm, scale)
+    for i, slot in enumerate(ids):
+        o, final = _transformers().recurrent_rule(
+            q_in[i:i + 1, None], k_in[i:i + 1, None], v[i:i + 1, None], g[i:i + 1, None], beta[i:i + 1, None],
+            initial_state=state[slot:slot + 1], output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+        out[i] = o[0, 0]
+        state[slot].copy_(final[0])
+    return out
+
+
+def gated_delta_rule_varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                      beta: torch.Tensor, cu_seqlens: torch.Tensor, state: torch.Tensor,
+                                      slots: torch.Tensor, has_initial_state: torch.Tensor,
+                                      use_qk_l2norm: bool = False, scale: float | None = None) -> torch.Tensor:
+    """transformers' `torch_chunk_gated_delta_rule` per request, from its slot's state (or zeros without
+    has_initial_state), the final state written back."""
+    bounds = _check_cu_seqlens(cu_seqlens, q.shape[0])
+    ids = _check_slots(slots, len(bounds) - 1, state.shape[0])
+    initial = _check_has_initial_state(has_initial_state, len(ids))
+    out = torch.empty(v.shape, dtype=q.dtype, device=v.device)
+    q_in, k_in, l2norm = _rule_inputs(q, k, use_qk_l2norm, scale)
+    for i, slot in enumerate(ids):
+        begin, end = bounds[i], bounds[i + 1]
+        if begin == end:
+            if not initial[i]:
+                state[slot].zero_()
+            continue
+        o, final = _transformers().chunk_rule(
+            q_in[None, begin:end], k_in[None, begin:end], v[None, begin:end], g[None, begin:end],
+            beta[None, begin:end], initial_state=state[slot:slot + 1] if initial[i] else None,
+            output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+        out[begin:end] = o[0]
+        state[slot].copy_(final[0])
+    return out
+
+
+# ---- argument checks (the references'; the kernels check the same in C++) --------------------------------------------
+
+
+def _check_slots(slots: torch.Tensor, count: int, num_slots: int) -> list[int]:
+    if slots.dim() != 1 or slots.dtype != torch.int64 or slots.shape[0] != count:
+        raise ValueError(f"slots must be int64 [{count}] (one per request), got {slots.dtype} {tuple(slots.shape)}")
+    ids = slots.tolist()
+    for i, slot in enumerate(ids):
+        if not 0 <= slot < num_slots:
+            raise ValueError(f"slots[{i}] is {slot}, outside the state pool's [0, {num_slots})")
+    if len(set(ids)) != len(ids):
+        twice = next(s for s in ids if ids.count(s) > 1)
+        raise ValueError(f"slots lists slot {twice} twice; each request needs a slot of its own")
+    return ids
+
+
+def _check_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> list[int]:
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be int32 or int64 [requests + 1], got {cu_seqlens.dtype} "
+                         f"{tuple(cu_seqlens.shape)}")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != num_tokens or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to {num_tokens} (the packed tokens), got {bounds}")
+    return bounds
+
+
+def _check_has_initial_state(has_initial_state: torch.Tensor, count: int) -> list[bool]:
+    if has_initial_state.dtype != torch.bool or tuple(has_initial_state.shape) != (count,):
+        raise ValueError(f"has_initial_state must be bool [{count}], got {has_initial_state.dtype} "
+                         f"{tuple(has_initial_state.shape)}")
+    return has_initial_state.tolist()
+
+
+def _check_activation(activation: str | None) -> None:
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
+
+
+# ---- dispatch --------------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _state_kernels() -> ModuleType | None:
+    """cbcore._C when it carries the state ops (an older build does not)."""
+    cpu = _cpu_kernels()
+    return cpu if cpu is not None and hasattr(cpu, "gated_delta_rule_varlen") else None
+
+
+def _why_not_cpu(tensors: tuple[torch.Tensor, ...], pool: torch.Tensor, pool_dtype: torch.dtype | None) -> str | None:
+    """None when the C++ kernels take these inputs (one dtype, float32 or bfloat16) and this pool, else the reason."""
+    if _state_kernels() is None:
+        return "cbcore._C has no state-op kernels (reinstall cbcore to build them)"
+    if any(t.device.type != "cpu" for t in (*tensors, pool)):
+        return "tensors are not on the CPU"
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in _KERNEL_DTYPES:
+        return f"input dtypes {sorted(map(str, dtypes))} (supported: all float32 or all bfloat16)"
+    wanted = pool_dtype or next(iter(dtypes))
+    if pool.dtype != wanted:
+        return f"the state pool is {pool.dtype}, not {wanted}"
+    if not pool.is_contiguous():
+        return "the state pool is not contiguous"
+    return None
+
+
+def _use_kernel(op: str, mode: str | None, why_not: str | None) -> bool:
+    """Whether `op` runs its C++ kernel under `mode` (None: CBCORE_KERNELS now): auto and cpu run it where it takes
+    the inputs; cpu raises where it does not; every other mode runs the reference."""
+    mode = mode or kernel_mode()
+    if mode not in ("auto", "cpu"):
+        return False
+    if why_not is not None and mode == "cpu":
+        raise RuntimeError(f"{KERNELS_ENV}=cpu but {op} cannot use its C++ kernel: {why_not}")
+    return why_not is None
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t with a contiguous last dimension, which the kernels need (a split of a fused projection already has it)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _scale(q: torch.Tensor, scale: float | None) -> float:
+    return q.shape[-1] ** -0.5 if scale is None else float(scale)
+
+
+def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
+                         bias: torch.Tensor | None = None, activation: str | None = None,
+                         mode: str | None = None) -> torch.Tensor:
+    """One new token per request through a causal depthwise conv1d with state: x `[batch, C]`, conv_state
+    `[num_slots, C, K]` (updated in place), weight `[C, K]`; transformers' `causal_conv1d_update` for seq_len 1.
+    Returns `[batch, C]` in x's dtype. `mode`: the kernel mode an engine resolved (None: read CBCORE_KERNELS now)."""
+    parts = (x, weight) if bias is None else (x, weight, bias)
+    if _use_kernel("causal_conv1d_update", mode, _why_not_cpu(parts, conv_state, None)):
+        return _state_kernels().causal_conv1d_update(_rows(x), conv_state, slots, weight, bias, activation)
+    return causal_conv1d_update_reference(x, conv_state, slots, weight, bias, activation)
+
+
+def causal_conv1d_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
+                         has_initial_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                         activation: str | None = None, mode: str | None = None) -> torch.Tensor:
+    """Packed requests through a causal depthwise conv1d with state: x `[tokens, C]`, request i's rows
+    `cu_seqlens[i]:cu_seqlens[i + 1]`, its left context its slot's state when has_initial_state[i] (else zeros), the
+    last K inputs written back to the slot. Returns `[tokens, C]`. See the module docstring."""
+    parts = (x, weight) if bias is None else (x, weight, bias)
+    if _use_kernel("causal_conv1d_varlen", mode, _why_not_cpu(parts, conv_state, None)):
+        return _state_kernels().causal_conv1d_varlen(_rows(x), cu_seqlens, conv_state, slots, has_initial_state,
+                                                     weight, bias, activation)
+    return causal_conv1d_varlen_reference(x, cu_seqlens, conv_state, slots, has_initial_state, weight, bias,
+                                          activation)
+
+
+def gated_delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                               use_qk_l2norm: bool = False, scale: float | None = None,
+                               mode: str | None = None) -> torch.Tensor:
+    """One token per request of the gated delta rule, each from its slot's fp32 state (updated in place): q, k
+    `[batch, Hk, Dk]`, v `[batch, H, Dv]`, g (log decay) and beta `[batch, H]`; transformers'
+    `torch_recurrent_gated_delta_rule` with `initial_state`. scale None: Dk ** -0.5. Returns `[batch, H, Dv]` in q's
+    dtype."""
+    if _use_kernel("gated_delta_rule_recurrent", mode, _why_not_cpu((q, k, v), state, torch.float32)):
+        return _state_kernels().gated_delta_rule_recurrent(_rows(q), _rows(k), _rows(v), g, beta, state, slots,
+                                                           use_qk_l2norm, _scale(q, scale))
+    return gated_delta_rule_recurrent_reference(q, k, v, g, beta, state, slots, use_qk_l2norm, scale)
+
+
+def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                            cu_seqlens: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                            has_initial_state: torch.Tensor, use_qk_l2norm: bool = False, scale: float | None = None,
+                            mode: str | None = None) -> torch.Tensor:
+    """Packed requests of the gated delta rule: q, k `[tokens, Hk, Dk]`, v `[tokens, H, Dv]`, g and beta
+    `[tokens, H]`; each request from its slot's state (zeros without has_initial_state), its final state written back.
+    Returns `[tokens, H, Dv]` in q's dtype. The kernel runs token by token, the reference chunked (see the module
+    docstring for how far they differ)."""
+    if _use_kernel("gated_delta_rule_varlen", mode, _why_not_cpu((q, k, v), state, torch.float32)):
+        return _state_kernels().gated_delta_rule_varlen(_rows(q), _rows(k), _rows(v), g, beta, cu_seqlens, state,
+                                                        slots, has_initial_state, use_qk_l2norm, _scale(q, scale))
+    return gated_delta_rule_varlen_reference(q, k, v, g, beta, cu_seqlens, state, slots, has_initial_state,
+                                             use_qk_l2norm, scale)
