@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from . import state_seams
 from .attention import STEP_KWARG, current_step
 from .lazy_zeros import zeroed_pages
 
@@ -319,6 +320,8 @@ class StateLayers:
         self._modules = modules
         for module in modules:
             module.forward = _bound_forward(module, module.forward)
+        # Their modeling files' op functions run on cbcore's kernels inside steps (cbcore/state_seams.py).
+        self._seams = state_seams.bind({type(module).__module__ for module in modules})
 
     @classmethod
     def attach(cls, model: torch.nn.Module) -> StateLayers | None:
@@ -332,6 +335,8 @@ class StateLayers:
             if "forward" in module.__dict__:
                 del module.forward
         self._modules = []
+        state_seams.unbind(self._seams)
+        self._seams = set()
 
 
 def _bound_forward(module: torch.nn.Module, forward):
