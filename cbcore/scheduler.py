@@ -388,6 +388,13 @@ class Scheduler:
         self._requeue(state)
         batch.preempted.append(state)
 
+    def recompute(self, state: RequestState) -> None:
+        """Send a running request back to the head of its priority in the queue, its blocks and state slot released:
+        it computes its tokens so far again (a step's failure left its recurrent state untrustworthy)."""
+        self.running.remove(state)
+        self.cache.release(state)
+        self._requeue(state)
+
     def on_step_done(self, batch: ScheduledBatch) -> None:
         """Advance every scheduled request past the tokens it just computed and cache its completed blocks."""
         for item in batch.requests:

@@ -210,3 +210,43 @@ def test_the_compiled_step_is_refused_for_a_stateful_model() -> None:
         model, config, cbcore.ContinuousBatchingConfig(page_size=4, num_blocks=16, varlen_compile_config=CompileConfig()))
     with pytest.raises(NotImplementedError, match="Qwen3NextForCausalLM.*per-request state.*compiled step"):
         manager.warmup()
+
+
+class _RaisesForMarkedPrompts:
+    """A logits processor that fails the request whose prompt starts with `MARKER` once it has generated 3 tokens:
+    sampling raises in a decode step, after the forward has advanced every request's state from its previous one."""
+
+    MARKER = 7
+    AFTER = 8 + 3  # the marked prompt's length + tokens generated before it fails
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if int(input_ids[0, 0]) == self.MARKER and input_ids.shape[-1] >= self.AFTER:
+            raise ValueError("this processor cannot handle the marked prompt")
+        return scores
+
+
+def test_a_failing_request_fails_alone_and_the_others_states_stay_exact() -> None:
+    """Finding the culprit reruns parts of the step; a recurrent state advanced by a failed attempt cannot be run
+    again, so the others are recomputed from their tokens: their output is still exactly `model.generate`'s."""
+    from transformers import LogitsProcessorList
+
+    model = model_of("qwen3_5")
+    manager = cbcore.ContinuousBatchingManager(model, greedy(), cbcore.ContinuousBatchingConfig(page_size=4,
+                                                                                                 num_blocks=64))
+    manager.warmup()
+    sampler = manager.runner.sampler
+    factory = sampler._processor_factory
+    sampler._processor_factory = lambda *args: LogitsProcessorList([*factory(*args), _RaisesForMarkedPrompts()])
+    sampler.has_processors = sampler.switch.do_processing = True
+    prompt_list = prompts((5, 8, 11, 6), seed=8)
+    prompt_list[1] = [_RaisesForMarkedPrompts.MARKER] + prompt_list[1][1:]
+    manager.start()
+    try:
+        ids = manager.add_requests(prompt_list)
+        outputs = collect_outputs(manager, ids)
+    finally:
+        manager.stop(block=True, timeout=60)
+    assert outputs[ids[1]].status == RequestStatus.FAILED and "marked prompt" in outputs[ids[1]].error
+    for index in (0, 2, 3):
+        assert outputs[ids[index]].generated_tokens == generate(model, prompt_list[index]), index
+    assert_engine_clean(manager)

@@ -302,6 +302,13 @@ class EngineCore:
             self.cache.swap.policy.observe_prefill(batch.num_tokens, time.perf_counter() - started)
         failed = {id(item) for item, _ in failures}
         succeeded = [item for item in batch.requests if id(item) not in failed]
+        if failures and self.state_pool is not None:
+            # Isolating the culprit ran parts of the step again, and a recurrent state, unlike K/V, is not rewritten
+            # with the same values: the others' states advanced more than once. They are recomputed from their tokens
+            # (the same output), their results from those runs dropped.
+            for item in succeeded:
+                self.scheduler.recompute(item.state)
+            succeeded = []
         if succeeded:
             outputs += self.update_from_output(ScheduledBatch(requests=succeeded), results)
         if self.debug:
@@ -348,7 +355,8 @@ class EngineCore:
         """Run the step; if its forward or sampling raises, find the request(s) responsible by running halves of the
         batch again (bisection), so only the culprit fails: a request whose processor raises, or whose position
         runs past the model's table, fails alone and the others of its step go on. Rerunning is exact: a request's
-        K/V is rewritten with the same values into its own blocks. Returns (step results, [(item, error)])."""
+        K/V is rewritten with the same values into its own blocks; a recurrent state is not, so `step()` recomputes the
+        other requests of a failed step of a model with stateful layers. Returns (step results, [(item, error)])."""
         try:
             return [self.runner.execute(ScheduledBatch(requests=items))], []
         except TensorParallelError:  # a rank of the group failed: no request's fault, nothing to isolate
