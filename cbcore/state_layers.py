@@ -239,6 +239,11 @@ class SlotStates:
     def __init__(self, layer_idx: int, tensors: dict[tuple[str, int], torch.Tensor], has_previous: bool) -> None:
         self.layer_idx = layer_idx
         self._tensors = tensors
+        for (kind, _), tensor in tensors.items():
+            if kind == "recurrent":
+                # Marks the pool rows (a view or a gathered copy made for this call) that cbcore's delta-rule kernel
+                # may advance in place (cbcore/state_seams.py): the layer stores the new state back into them anyway.
+                tensor.cbcore_slot_state = True
         # Per state_idx, as transformers keeps it: set by the first conv update of a request's first chunk.
         self._has_previous: dict[int, bool] = {index: has_previous for (_, index) in tensors}
         self._written: set[tuple[str, int]] = set() if not has_previous else set(tensors)
@@ -287,7 +292,8 @@ class SlotStates:
                                **kwargs) -> torch.Tensor:
         """Store the layer's new recurrent state and return the stored tensor."""
         tensor = self._tensor("recurrent", layer_idx, state_idx)
-        tensor.copy_(recurrent_states)
+        if recurrent_states is not tensor:  # the kernel advanced the slot in place: nothing to copy
+            tensor.copy_(recurrent_states)
         self._written.add(("recurrent", state_idx))
         return tensor
 

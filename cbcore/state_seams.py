@@ -14,7 +14,10 @@ with a function of its own keeps it.
 
 Differences from transformers' torch code: the delta rule's prompt form runs token by token (the recurrent form)
 rather than in 64-token chunks, the same mathematics summed in another order (~1e-6 of the output's scale in fp32);
-the sweep and the hybrid tests hold cbcore's tokens and logprobs to `model.generate`'s.
+the sweep and the hybrid tests hold cbcore's tokens and logprobs to `model.generate`'s. A state handed to the delta
+rule from a slot (`SlotStates` marks it) is advanced in place and returned, where transformers' function returns a new
+tensor: the layer stores the returned state into that same slot, so the copy in and the copy back would be two passes
+over the state for nothing.
 """
 
 from __future__ import annotations
@@ -139,13 +142,21 @@ def _conv_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
     return out.view(batch, length, channels).transpose(1, 2)
 
 
+def _state_to_advance(initial_state: torch.Tensor) -> torch.Tensor:
+    """The fp32 state the kernel advances: a slot's rows themselves (the layer stores the result back into them), else
+    a copy, as transformers leaves `initial_state` as it was."""
+    if (getattr(initial_state, "cbcore_slot_state", False) and initial_state.dtype == torch.float32
+            and initial_state.is_contiguous()):
+        return initial_state
+    return initial_state.to(torch.float32).contiguous().clone()
+
+
 def _recurrent_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
                     use_qk_l2norm_in_kernel=False, **kwargs):
     """`torch_recurrent_gated_delta_rule` for one token per row (q, k `[B, 1, Hk, Dk]`, v `[B, 1, H, Dv]`)."""
     if query.shape[1] != 1 or initial_state is None or kwargs.get("cu_seqlens") is not None:
         return NotImplemented
-    # A copy: transformers returns the new state and leaves `initial_state` as it was.
-    state = initial_state.to(torch.float32).contiguous().clone()
+    state = _state_to_advance(initial_state)
     batch = query.shape[0]
     out = state_ops.gated_delta_rule_recurrent(query[:, 0], key[:, 0], value[:, 0], g[:, 0], beta[:, 0], state,
                                                _arange(batch, state.device), use_qk_l2norm_in_kernel)
@@ -164,7 +175,7 @@ def _chunk_rule(query, key, value, g, beta, chunk_size=64, initial_state=None, o
     if initial_state is None:
         state = torch.zeros((batch, heads, k_dim, v_dim), dtype=torch.float32, device=device)
     else:
-        state = initial_state.to(torch.float32).contiguous().clone()
+        state = _state_to_advance(initial_state)
     flat = [t.reshape(batch * length, *t.shape[2:]) for t in (query, key, value, g, beta)]
     out = state_ops.gated_delta_rule_varlen(
         *flat, torch.arange(0, (batch + 1) * length, length, dtype=torch.long, device=device), state,
