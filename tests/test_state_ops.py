@@ -1,13 +1,14 @@
 """The stateful layers' C++ CPU kernels (cbcore._C: causal_conv1d_update / _varlen, gated_delta_rule_recurrent /
-_varlen) against their plain-torch references in cbcore/ops/state_ops.py, which call transformers' own functions per
-request; then the dispatch of the Python faces and the argument checks.
+_varlen, mamba2_state_update / mamba2_scan_varlen, mamba_state_update / mamba_scan_varlen) against their plain-torch
+references in cbcore/ops/state_ops.py, which call transformers' own functions per request; then the dispatch of the
+Python faces and the argument checks.
 
 Every case runs on a pool with more slots than requests, the requests' slots scattered (not 0..n-1, not in order), so
 a read or write of the wrong slot shows; slots no request names must come out untouched. Shapes are small and odd
 (channels and value dims not multiples of the vector width) so that the kernels' tails run too.
 
-Tolerances: fp32 atol = rtol = 1e-5 (the kernels sum in another order; the delta rule's varlen kernel runs token by
-token where its reference runs in chunks of 64). bf16: the same inputs through both, atol = rtol = 2e-2 (a bf16
+Tolerances: fp32 atol = rtol = 1e-5 (the kernels sum in another order; the delta rule's and Mamba-2's varlen kernels
+run token by token where their references run in chunks). bf16: the same inputs through both, atol = rtol = 2e-2 (a bf16
 rounding of the output is up to 2^-8 relative; the conv also rounds before its SiLU, as transformers does).
 """
 
@@ -239,6 +240,215 @@ def test_delta_rule_reads_query_and_key_heads_through_strided_views(isa):
     assert torch.equal(pool_views, pool)
 
 
+# ---- Mamba-2 -------------------------------------------------------------------------------------------------------
+
+SSD_HEADS, SSD_GROUPS, SSD_HEAD_DIM, SSD_STATE = 4, 2, 38, 37  # 38 rows: two row blocks, groups of 4 and single rows
+
+
+def ssd_inputs(tokens: int, num_slots: int, dtype: torch.dtype, seed: int):
+    """x, dt (before its bias and softplus), A < 0, B, C, D, dt_bias, z and an fp32 state pool, in the dtypes
+    Mamba-2's mixers pass: A fp32, the rest in the model's dtype."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator) * scale).to(dtype)
+
+    x = randn(tokens, SSD_HEADS, SSD_HEAD_DIM)
+    dt = randn(tokens, SSD_HEADS)
+    A = -torch.exp(torch.randn(SSD_HEADS, generator=generator) * 0.5)
+    B = randn(tokens, SSD_GROUPS, SSD_STATE, scale=0.5)
+    C = randn(tokens, SSD_GROUPS, SSD_STATE, scale=0.5)
+    D, dt_bias = randn(SSD_HEADS), randn(SSD_HEADS, scale=0.5)
+    z = randn(tokens, SSD_HEADS, SSD_HEAD_DIM)
+    pool = torch.randn(num_slots, SSD_HEADS, SSD_HEAD_DIM, SSD_STATE, generator=generator) * 0.5
+    return x, dt, A, B, C, D, dt_bias, z, pool
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mamba2_update_matches_transformers_selective_state_update(isa, dtype):
+    generator = torch.Generator().manual_seed(30)
+    num_slots, slots = scattered_slots(5, generator)
+    x, dt, A, B, C, D, dt_bias, z, pool = ssd_inputs(5, num_slots, dtype, seed=31)
+    want_pool = pool.clone()
+    want = state_ops.mamba2_state_update_reference(x, dt, A, B, C, want_pool, slots, D, dt_bias, z, True)
+    got = _C.mamba2_state_update(x, dt, A, B, C, D, dt_bias, z, True, pool, slots)
+    assert_close(got, want)
+    torch.testing.assert_close(pool, want_pool, atol=1e-5, rtol=1e-5)  # fp32 in both
+
+
+def test_mamba2_update_without_skip_bias_gate_or_softplus(isa):
+    generator = torch.Generator().manual_seed(32)
+    num_slots, slots = scattered_slots(3, generator)
+    x, dt, A, B, C, _, _, _, pool = ssd_inputs(3, num_slots, torch.float32, seed=33)
+    dt = dt.abs()
+    want_pool = pool.clone()
+    want = state_ops.mamba2_state_update_reference(x, dt, A, B, C, want_pool, slots)
+    assert_close(_C.mamba2_state_update(x, dt, A, B, C, None, None, None, False, pool, slots), want)
+    assert_close(pool, want_pool)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mamba2_scan_matches_chunked_reference_on_ragged_lengths(isa, dtype):
+    generator = torch.Generator().manual_seed(34)
+    num_slots, slots = scattered_slots(len(RAGGED), generator)
+    x, dt, A, B, C, D, dt_bias, _, pool = ssd_inputs(sum(RAGGED), num_slots, dtype, seed=35)
+    has_initial = torch.tensor([False, True, True, False, True, True])
+    untouched = [s for s in range(num_slots) if s not in slots.tolist()]
+    before = pool.clone()
+    want_pool = pool.clone()
+    # 16-token chunks: the 70-token request spans five, the last one padded
+    want = state_ops.mamba2_scan_varlen_reference(x, dt, A, B, C, packed(RAGGED), want_pool, slots, has_initial, D,
+                                                  dt_bias, True, chunk_size=16)
+    got = _C.mamba2_scan_varlen(x, dt, A, B, C, D, dt_bias, True, 0.0, float("inf"), packed(RAGGED), pool, slots,
+                                has_initial)
+    assert got.dtype == torch.float32  # as transformers' chunk scan, whatever the inputs
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool, want_pool, atol=1e-5, rtol=1e-5)
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+def test_mamba2_scan_clamps_dt_to_dt_limit(isa):
+    x, dt, A, B, C, D, dt_bias, _, pool = ssd_inputs(9, 2, torch.float32, seed=36)
+    slots, has_initial, cu = torch.tensor([1, 0]), torch.tensor([True, False]), packed([4, 5])
+    want_pool = pool.clone()
+    want = state_ops.mamba2_scan_varlen_reference(x, dt, A, B, C, cu, want_pool, slots, has_initial, D, dt_bias, True,
+                                                  dt_limit=(0.3, 0.9), chunk_size=4)
+    got = _C.mamba2_scan_varlen(x, dt, A, B, C, D, dt_bias, True, 0.3, 0.9, cu, pool, slots, has_initial)
+    assert_close(got, want)
+    assert_close(pool, want_pool)
+
+
+def test_mamba2_scan_run_in_chunks_equals_one_call(isa):
+    """dt given softplussed already: ATen's softplus (vectorised in blocks) may round an element by its position."""
+    x, dt, A, B, C, D, _, _, pool = ssd_inputs(70, 2, torch.float32, seed=37)
+    dt = torch.nn.functional.softplus(dt)
+    slot = torch.tensor([1])
+    whole_pool = pool.clone()
+    whole = _C.mamba2_scan_varlen(x, dt, A, B, C, D, None, False, 0.0, float("inf"), packed([70]), whole_pool, slot,
+                                  torch.tensor([False]))
+    outputs, begin = [], 0
+    for i, length in enumerate([1, 3, 64, 2]):
+        end = begin + length
+        outputs.append(_C.mamba2_scan_varlen(x[begin:end], dt[begin:end], A, B[begin:end], C[begin:end], D, None,
+                                             False, 0.0, float("inf"), packed([length]), pool, slot,
+                                             torch.tensor([i > 0])))
+        begin = end
+    torch.testing.assert_close(torch.cat(outputs), whole, atol=0, rtol=0)  # the same arithmetic, split
+    torch.testing.assert_close(pool, whole_pool, atol=0, rtol=0)
+
+
+def test_mamba2_state_carries_from_prefill_through_decode_steps(isa):
+    x, dt, A, B, C, D, dt_bias, _, pool = ssd_inputs(9, 3, torch.float32, seed=38)
+    slots = torch.tensor([2])
+    want_pool = pool.clone()
+    want = state_ops.mamba2_scan_varlen_reference(x, dt, A, B, C, packed([9]), want_pool, slots,
+                                                  torch.tensor([False]), D, dt_bias, True, chunk_size=4)
+    steps = [_C.mamba2_scan_varlen(x[:4], dt[:4], A, B[:4], C[:4], D, dt_bias, True, 0.0, float("inf"), packed([4]),
+                                   pool, slots, torch.tensor([False]))]
+    for t in range(4, 9):  # the update has no clamp; dt_limit (0, inf) changes nothing after a softplus
+        steps.append(_C.mamba2_state_update(x[t:t + 1], dt[t:t + 1], A, B[t:t + 1], C[t:t + 1], D, dt_bias, None,
+                                            True, pool, slots))
+    assert_close(torch.cat(steps), want)
+    assert_close(pool, want_pool)
+
+
+# ---- Mamba-1 -------------------------------------------------------------------------------------------------------
+
+SEL_CHANNELS, SEL_STATE = 70, 19  # 70 channels: two blocks; 19: a vector tail for every lane count
+
+
+def selective_inputs(tokens: int, num_slots: int, dtype: torch.dtype, seed: int):
+    """x, dt (before its bias and softplus), A < 0, B, C, D, dt_bias, z and an fp32 state pool, in the dtypes Mamba's
+    mixers pass: A, D and dt_bias fp32, the rest in the model's dtype."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * scale
+
+    x, dt = randn(tokens, SEL_CHANNELS).to(dtype), randn(tokens, SEL_CHANNELS).to(dtype)
+    A = -torch.exp(randn(SEL_CHANNELS, SEL_STATE, scale=0.5))
+    B, C = randn(tokens, SEL_STATE, scale=0.5).to(dtype), randn(tokens, SEL_STATE, scale=0.5).to(dtype)
+    D, dt_bias = randn(SEL_CHANNELS), randn(SEL_CHANNELS, scale=0.5)
+    z = randn(tokens, SEL_CHANNELS).to(dtype)
+    pool = randn(num_slots, SEL_CHANNELS, SEL_STATE, scale=0.5)
+    return x, dt, A, B, C, D, dt_bias, z, pool
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mamba_update_matches_transformers_selective_state_update(isa, dtype):
+    generator = torch.Generator().manual_seed(40)
+    num_slots, slots = scattered_slots(5, generator)
+    x, dt, A, B, C, D, dt_bias, z, pool = selective_inputs(5, num_slots, dtype, seed=41)
+    D = D.to(dtype)  # the update gets the mixer's D itself, in the model's dtype
+    want_pool = pool.clone()
+    want = state_ops.mamba_state_update_reference(x, dt, A, B, C, want_pool, slots, D, dt_bias, z, True)
+    got = _C.mamba_state_update(x, dt, A, B, C, D, dt_bias, z, True, pool, slots)
+    assert_close(got, want)
+    torch.testing.assert_close(pool, want_pool, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mamba_scan_matches_reference_on_ragged_lengths(isa, dtype):
+    """Requests without a state against transformers' scan, those with one against its update token by token."""
+    generator = torch.Generator().manual_seed(42)
+    num_slots, slots = scattered_slots(len(RAGGED), generator)
+    x, dt, A, B, C, D, dt_bias, z, pool = selective_inputs(sum(RAGGED), num_slots, dtype, seed=43)
+    has_initial = torch.tensor([True, False, True, False, True, False])
+    untouched = [s for s in range(num_slots) if s not in slots.tolist()]
+    before = pool.clone()
+    want_pool = pool.clone()
+    want = state_ops.mamba_scan_varlen_reference(x, dt, A, B, C, packed(RAGGED), want_pool, slots, has_initial, D,
+                                                 dt_bias, z, True)
+    got = _C.mamba_scan_varlen(x, dt, A, B, C, D, dt_bias, z, True, packed(RAGGED), pool, slots, has_initial)
+    assert got.dtype == torch.float32  # x's dtype promoted with D's (fp32), as transformers' scan
+    torch.testing.assert_close(got, want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    torch.testing.assert_close(pool, want_pool, atol=1e-5, rtol=1e-5)
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+def test_mamba_scan_with_a_bf16_skip_returns_bf16(isa):
+    x, dt, A, B, C, D, dt_bias, z, pool = selective_inputs(6, 2, torch.bfloat16, seed=44)
+    slots, has_initial, cu = torch.tensor([0, 1]), torch.tensor([False, False]), packed([2, 4])
+    want_pool = pool.clone()
+    want = state_ops.mamba_scan_varlen_reference(x, dt, A, B, C, cu, want_pool, slots, has_initial, D.bfloat16(),
+                                                 dt_bias, z, True)
+    got = _C.mamba_scan_varlen(x, dt, A, B, C, D.bfloat16(), dt_bias, z, True, cu, pool, slots, has_initial)
+    assert_close(got, want)
+
+
+def test_mamba_scan_run_in_chunks_equals_one_call(isa):
+    """dt given softplussed already, as in the Mamba-2 case."""
+    x, dt, A, B, C, D, _, z, pool = selective_inputs(70, 2, torch.float32, seed=45)
+    dt = torch.nn.functional.softplus(dt)
+    slot = torch.tensor([0])
+    whole_pool = pool.clone()
+    whole = _C.mamba_scan_varlen(x, dt, A, B, C, D, None, z, False, packed([70]), whole_pool, slot,
+                                 torch.tensor([False]))
+    outputs, begin = [], 0
+    for i, length in enumerate([2, 1, 65, 2]):
+        end = begin + length
+        outputs.append(_C.mamba_scan_varlen(x[begin:end], dt[begin:end], A, B[begin:end], C[begin:end], D, None,
+                                            z[begin:end], False, packed([length]), pool, slot, torch.tensor([i > 0])))
+        begin = end
+    torch.testing.assert_close(torch.cat(outputs), whole, atol=0, rtol=0)
+    torch.testing.assert_close(pool, whole_pool, atol=0, rtol=0)
+
+
+def test_mamba_state_carries_from_prefill_through_decode_steps(isa):
+    x, dt, A, B, C, D, dt_bias, z, pool = selective_inputs(9, 3, torch.float32, seed=46)
+    slots = torch.tensor([1])
+    want_pool = pool.clone()
+    want = state_ops.mamba_scan_varlen_reference(x, dt, A, B, C, packed([9]), want_pool, slots,
+                                                 torch.tensor([False]), D, dt_bias, z, True)
+    steps = [_C.mamba_scan_varlen(x[:4], dt[:4], A, B[:4], C[:4], D, dt_bias, z[:4], True, packed([4]), pool, slots,
+                                  torch.tensor([False]))]
+    for t in range(4, 9):
+        steps.append(_C.mamba_state_update(x[t:t + 1], dt[t:t + 1], A, B[t:t + 1], C[t:t + 1], D, dt_bias,
+                                           z[t:t + 1], True, pool, slots))
+    assert_close(torch.cat(steps), want)
+    assert_close(pool, want_pool)
+
+
 # ---- the Python faces: dispatch ------------------------------------------------------------------------------------
 
 
@@ -286,6 +496,27 @@ def test_the_face_reads_default_scale_from_the_head_dim():
     kernel_pool = pool.clone()
     want = _C.gated_delta_rule_recurrent(q, k, v, g, beta, kernel_pool, slots, True, DK**-0.5)
     assert torch.equal(state_ops.gated_delta_rule_recurrent(q, k, v, g, beta, pool, slots, True, mode="cpu"), want)
+
+
+def test_the_mamba_faces_run_their_kernels_on_cpu_tensors():
+    x, dt, A, B, C, D, dt_bias, z, pool = selective_inputs(5, 2, torch.float32, seed=49)
+    slots, has_initial, cu = torch.tensor([1, 0]), torch.tensor([True, False]), packed([2, 3])
+    kernel_pool = pool.clone()
+    want = _C.mamba_scan_varlen(x, dt, A, B, C, D, dt_bias, z, True, cu, kernel_pool, slots, has_initial)
+    got = state_ops.mamba_scan_varlen(x, dt, A, B, C, cu, pool, slots, has_initial, D, dt_bias, z, True, mode="cpu")
+    assert torch.equal(got, want)
+    assert torch.equal(pool, kernel_pool)
+
+
+def test_mamba2_inputs_the_kernel_does_not_take_run_the_reference_in_auto_mode_and_raise_in_cpu_mode():
+    x, dt, A, B, C, D, dt_bias, z, pool = ssd_inputs(2, 2, torch.float16, seed=50)
+    slots = torch.tensor([1, 0])
+    want_pool = pool.clone()
+    want = state_ops.mamba2_state_update_reference(x, dt, A, B, C, want_pool, slots, D, dt_bias, z, True)
+    got = state_ops.mamba2_state_update(x, dt, A, B, C, pool, slots, D, dt_bias, z, True, mode="auto")
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="CBCORE_KERNELS=cpu.*float16"):
+        state_ops.mamba2_state_update(x, dt, A, B, C, pool, slots, D, dt_bias, z, True, mode="cpu")
 
 
 # ---- argument checks -----------------------------------------------------------------------------------------------
@@ -343,3 +574,37 @@ def test_delta_rule_checks_its_shapes_and_state():
         _C.gated_delta_rule_recurrent(q, k, v, g, beta[:, :2], pool, slots, True, 0.1)
     with pytest.raises(ValueError, match="slots lists slot 1 twice"):
         _C.gated_delta_rule_recurrent(q, k, v, g, beta, pool, torch.tensor([1, 1]), True, 0.1)
+
+
+def test_mamba2_kernels_check_their_arguments():
+    x, dt, A, B, C, D, dt_bias, z, pool = ssd_inputs(2, 3, torch.float32, seed=47)
+    slots = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="groups dividing the 4 heads"):
+        _C.mamba2_state_update(x, dt, A, B[:, :1].expand(2, 3, SSD_STATE), C, D, dt_bias, z, True, pool, slots)
+    with pytest.raises(ValueError, match="A must be a floating-point CPU tensor"):
+        _C.mamba2_state_update(x, dt, A[:3], B, C, D, dt_bias, z, True, pool, slots)
+    with pytest.raises(ValueError, match="dt_bias must be None or"):
+        _C.mamba2_state_update(x, dt, A, B, C, D, dt_bias[:2], z, True, pool, slots)
+    with pytest.raises(ValueError, match="C must be a Float"):
+        _C.mamba2_state_update(x, dt, A, B, C.bfloat16(), D, dt_bias, z, True, pool, slots)
+    with pytest.raises(ValueError, match="state must be a contiguous float32"):
+        _C.mamba2_state_update(x, dt, A, B, C, D, dt_bias, z, True, pool.bfloat16(), slots)
+    with pytest.raises(ValueError, match="has_initial_state must be"):
+        _C.mamba2_scan_varlen(x, dt, A, B, C, D, dt_bias, True, 0.0, float("inf"), packed([2]), pool, slots[:1],
+                              torch.tensor([1]))
+
+
+def test_mamba_kernels_check_their_arguments():
+    x, dt, A, B, C, D, dt_bias, z, pool = selective_inputs(2, 3, torch.float32, seed=48)
+    slots = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="dt must be"):
+        _C.mamba_state_update(x, dt[:, :5], A, B, C, D, dt_bias, z, True, pool, slots)
+    with pytest.raises(ValueError, match="z must be"):
+        _C.mamba_state_update(x, dt, A, B, C, D, dt_bias, z.t().contiguous().t(), True, pool, slots)
+    with pytest.raises(ValueError, match="D must be"):
+        _C.mamba_state_update(x, dt, A, B, C, D[:3], dt_bias, z, True, pool, slots)
+    with pytest.raises(ValueError, match="D is Double"):
+        _C.mamba_scan_varlen(x, dt, A, B, C, D.double(), dt_bias, z, True, packed([2]), pool, slots[:1],
+                             torch.tensor([False]))
+    with pytest.raises(ValueError, match="slots lists slot 1 twice"):
+        _C.mamba_state_update(x, dt, A, B, C, D, dt_bias, z, True, pool, torch.tensor([1, 1]))

@@ -1,7 +1,8 @@
-"""The stateful layers' ops: causal depthwise conv1d with a conv state, and the gated delta rule with a recurrent state
-(Qwen3.5 / Qwen3-Next's linear attention layers). One Python face per op, picking its implementation like the
-attention ops in `cbcore.ops` (CBCORE_KERNELS through `kernel_mode()`): the C++ CPU kernel of `cbcore._C` for CPU
-tensors it takes, the plain-torch reference otherwise.
+"""The stateful layers' ops: causal depthwise conv1d with a conv state, the gated delta rule with a recurrent state
+(Qwen3.5 / Qwen3-Next's linear attention layers), and the selective scans of Mamba-1 and Mamba-2 (state space models)
+with theirs. One Python face per op, picking its implementation like the attention ops in `cbcore.ops` (CBCORE_KERNELS
+through `kernel_mode()`): the C++ CPU kernel of `cbcore._C` for CPU tensors it takes, the plain-torch reference
+otherwise.
 
 States live in pools `[num_slots, ...]`, one slot per request, indexed by `slots` (int64 `[requests]`); a caller
 holding a `[batch, ...]` state tensor passes it with `slots = torch.arange(batch)`. The ops read and write the slots in
@@ -15,11 +16,19 @@ Shapes (flat tensors only; packed requests as in the attention ops: request i's 
                                 state float32 [num_slots, H, Dk, Dv]                                -> [batch, H, Dv]
     gated_delta_rule_varlen     q, k [tokens, Hk, Dk], v [tokens, H, Dv], g, beta [tokens, H], cu_seqlens,
                                 has_initial_state, state                                            -> [tokens, H, Dv]
+    mamba2_state_update    x [batch, H, P], dt [batch, H], A [H], B, C [batch, G, N], D, dt_bias [H] | None,
+                           z [batch, H, P] | None, state float32 [num_slots, H, P, N]                -> [batch, H, P]
+    mamba2_scan_varlen     x [tokens, H, P], dt [tokens, H], B, C [tokens, G, N], cu_seqlens, has_initial_state,
+                           A, D, dt_bias, state as above                                 -> float32 [tokens, H, P]
+    mamba_state_update     x, z [batch, Din], dt [batch, Din], A [Din, N], B, C [batch, N], D, dt_bias [Din] | None,
+                           state float32 [num_slots, Din, N]                                        -> [batch, Din]
+    mamba_scan_varlen      x, z, dt [tokens, Din], B, C [tokens, N], cu_seqlens, has_initial_state, ... -> [tokens, Din]
 H counts the value heads; Hk must divide it, value head h reading query/key head h // (H / Hk) (transformers'
-functions repeat_interleave q and k to H; Qwen3-Next's layer passes them unrepeated).
+functions repeat_interleave q and k to H; Qwen3-Next's layer passes them unrepeated). Likewise Mamba-2's G groups of
+B and C: head h reads group h // (H / G).
 
-Semantics: transformers' own torch functions in models/qwen3_next/modeling_qwen3_next.py, called per request, are the
-references here:
+Semantics: transformers' own torch functions, called per request, are the references here (Qwen3-Next's in
+models/qwen3_next/modeling_qwen3_next.py for the conv and the delta rule):
   - the conv state keeps the last K inputs; a decode step (`causal_conv1d_update`) is `causal_conv1d_update` with one
     token. In a varlen call, request i's left context is its slot's state when has_initial_state[i], zeros otherwise
     (transformers' prefill pads a first chunk with zeros), its outputs are `causal_conv1d_fn` over (context, tokens),
@@ -30,14 +39,31 @@ references here:
     `scale` (None: Dk ** -0.5, transformers' fixed scale), then S *= exp(g); kv = k^T S; delta = (v - kv) * beta;
     S += k delta^T; o = q^T S (`torch_recurrent_gated_delta_rule`). The varlen reference is
     `torch_chunk_gated_delta_rule` (what transformers runs on a prompt), from each slot's state or zeros.
+  - Mamba-2 (models/mamba2/modeling_mamba2.py): per token, dt = dt + dt_bias, softplus'd when dt_softplus (in dt's
+    dtype, as transformers), decay = exp(dt A), S = S decay + dt B x^T, y = S C + D x (times silu(z) in the update).
+    The update's reference is `mamba2_selective_state_update` (dt, A, D, dt_bias expanded over the head dim, as
+    Mamba-2's mixers pass them); the varlen's is `mamba2_chunk_scan` (dt also clamped to dt_limit; output in fp32,
+    as transformers'), from each slot's state or zeros.
+  - Mamba-1 (models/mamba/modeling_mamba.py): the same per channel, with A per channel and state element. The
+    update's reference is `mamba_selective_state_update`; the varlen's is `mamba_selective_scan` for a request
+    without an initial state (transformers' scan starts from zeros) and, for one with, `mamba_selective_state_update`
+    token by token from its slot (how cbcore continues a Mamba-1 layer over a chunked prompt, cbcore/state_layers.py).
+    The varlen output is in x's dtype promoted with D's, as `mamba_selective_scan` returns it.
 
 The C++ kernels (csrc/state_ops/): fp32 and bf16 inputs of one dtype (the conv: x, conv state, weight and bias; the
 delta rule: q, k, v, with g and beta of any float dtype), contiguous last dimensions and contiguous state pools. The
 conv accumulates in fp32 and, as transformers' conv1d, rounds to the input dtype before the SiLU. The delta rule's
 varlen kernel is the recurrent form, token by token (each state element loaded and stored once per token); against
 the chunked reference it differs by fp32 rounding only: on 70-token requests from random states, at most ~1e-6
-relative to the output's scale (tests/test_state_ops.py holds it to 1e-5). Anything else (fp16, CUDA tensors, a
-strided pool) runs the reference under `auto` and raises under `CBCORE_KERNELS=cpu`.
+relative to the output's scale (tests/test_state_ops.py holds it to 1e-5). The Mamba kernels take x, B, C and z of
+one dtype (dt, A, D and dt_bias of any float dtype) and keep the state in fp32. dt's bias, softplus and clamp run with
+torch's own ops in dt's dtype, as transformers runs them; the rest is fp32 arithmetic, rounded to bf16 where
+transformers' functions compute in bf16 (the updates' dt B and dt B x, the state before its product with C and that
+product, x D where D is bf16), so that a bf16 state advances as transformers advances it, to fp32 rounding (on the
+tests' inputs the bf16 updates' outputs equal transformers' bit for bit). Mamba-2's varlen kernel is the recurrent
+form too: against the chunked SSD reference, ~2e-7 of the output's scale on 70-token requests and ~1e-6 on a
+512-token one (its final state ~5e-6), fp32. Anything else (fp16, CUDA tensors, a strided pool) runs the reference
+under `auto` and raises under `CBCORE_KERNELS=cpu`.
 """
 
 from __future__ import annotations
@@ -61,6 +87,8 @@ _ACTIVATIONS = (None, "silu", "swish")  # transformers' ACT2FN maps both names t
 def _transformers() -> SimpleNamespace:
     """transformers' torch functions, unwrapped from the hub-kernel decorators so that the torch code runs even where
     the fla or causal-conv1d packages would replace it (and without its "falling back" warning)."""
+    from transformers.models.mamba import modeling_mamba as mamba
+    from transformers.models.mamba2 import modeling_mamba2 as mamba2
     from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
 
     return SimpleNamespace(
@@ -69,6 +97,10 @@ def _transformers() -> SimpleNamespace:
         chunk_rule=inspect.unwrap(qwen3_next.torch_chunk_gated_delta_rule),
         recurrent_rule=inspect.unwrap(qwen3_next.torch_recurrent_gated_delta_rule),
         l2norm=qwen3_next.l2norm,
+        mamba2_update=inspect.unwrap(mamba2.mamba2_selective_state_update),
+        mamba2_scan=inspect.unwrap(mamba2.mamba2_chunk_scan),
+        mamba_update=inspect.unwrap(mamba.mamba_selective_state_update),
+        mamba_scan=inspect.unwrap(mamba.mamba_selective_scan),
     )
 
 
@@ -165,6 +197,102 @@ def gated_delta_rule_varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch
     return out
 
 
+def mamba2_state_update_reference(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                                  C: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                                  D: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+                                  z: torch.Tensor | None = None, dt_softplus: bool = False) -> torch.Tensor:
+    """transformers' `mamba2_selective_state_update` per request, on a view of its slot (which it updates in place),
+    with dt, A, D and dt_bias expanded over the head dim as Mamba-2's mixers pass them."""
+    ids = _check_slots(slots, x.shape[0], state.shape[0])
+    per_row = tuple(x.shape[1:])  # (H, P)
+    A_rows = A[:, None, None].expand(*per_row, B.shape[-1])
+    D_rows = D[:, None].expand(per_row) if D is not None else None
+    bias_rows = dt_bias[:, None].expand(per_row) if dt_bias is not None else None
+    out = torch.empty_like(x)
+    for i, slot in enumerate(ids):
+        out[i] = _transformers().mamba2_update(
+            state[slot:slot + 1], x[i:i + 1], dt[i:i + 1, :, None].expand(1, *per_row), A_rows, B[i:i + 1],
+            C[i:i + 1], D_rows, dt_bias=bias_rows, dt_softplus=dt_softplus, z=z[i:i + 1] if z is not None else None)[0]
+    return out
+
+
+def mamba2_scan_varlen_reference(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                                 C: torch.Tensor, cu_seqlens: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                                 has_initial_state: torch.Tensor, D: torch.Tensor | None = None,
+                                 dt_bias: torch.Tensor | None = None, dt_softplus: bool = False,
+                                 dt_limit: tuple[float, float] = (0.0, float("inf")),
+                                 chunk_size: int = 256) -> torch.Tensor:
+    """transformers' `mamba2_chunk_scan` per request, from its slot's state (or zeros without has_initial_state), the
+    final state written back. chunk_size: the reference's chunk length (the result depends on it by rounding only)."""
+    bounds = _check_cu_seqlens(cu_seqlens, x.shape[0])
+    ids = _check_slots(slots, len(bounds) - 1, state.shape[0])
+    initial = _check_has_initial_state(has_initial_state, len(ids))
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    for i, slot in enumerate(ids):
+        begin, end = bounds[i], bounds[i + 1]
+        if begin == end:
+            if not initial[i]:
+                state[slot].zero_()
+            continue
+        o, final = _transformers().mamba2_scan(
+            x[None, begin:end], dt[None, begin:end], A, B[None, begin:end], C[None, begin:end], chunk_size, D=D,
+            dt_bias=dt_bias, initial_states=state[slot:slot + 1] if initial[i] else None, dt_softplus=dt_softplus,
+            dt_limit=dt_limit, return_final_states=True)
+        out[begin:end] = o[0]
+        state[slot].copy_(final[0])
+    return out
+
+
+def mamba_state_update_reference(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                                 C: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                                 D: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+                                 z: torch.Tensor | None = None, dt_softplus: bool = False) -> torch.Tensor:
+    """transformers' `mamba_selective_state_update` per request, on a view of its slot (which it updates in place)."""
+    ids = _check_slots(slots, x.shape[0], state.shape[0])
+    out = torch.empty_like(x)
+    for i, slot in enumerate(ids):
+        out[i] = _transformers().mamba_update(
+            state[slot:slot + 1], x[i:i + 1], dt[i:i + 1], A, B[i:i + 1], C[i:i + 1], D, dt_bias=dt_bias,
+            dt_softplus=dt_softplus, z=z[i:i + 1] if z is not None else None)[0]
+    return out
+
+
+def mamba_scan_varlen_reference(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                                C: torch.Tensor, cu_seqlens: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                                has_initial_state: torch.Tensor, D: torch.Tensor | None = None,
+                                dt_bias: torch.Tensor | None = None, z: torch.Tensor | None = None,
+                                dt_softplus: bool = False) -> torch.Tensor:
+    """Per request: without has_initial_state, transformers' `mamba_selective_scan` (which starts from zeros), its
+    last state written to the slot; with it, transformers' `mamba_selective_state_update` token by token from the
+    slot (the scan takes no state). Output in x's dtype promoted with D's, as `mamba_selective_scan` returns it."""
+    bounds = _check_cu_seqlens(cu_seqlens, x.shape[0])
+    ids = _check_slots(slots, len(bounds) - 1, state.shape[0])
+    initial = _check_has_initial_state(has_initial_state, len(ids))
+    out_dtype = torch.promote_types(x.dtype, D.dtype) if D is not None else x.dtype
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    for i, slot in enumerate(ids):
+        begin, end = bounds[i], bounds[i + 1]
+        if initial[i]:
+            for t in range(begin, end):
+                out[t] = _transformers().mamba_update(
+                    state[slot:slot + 1], x[t:t + 1], dt[t:t + 1], A, B[t:t + 1], C[t:t + 1], D, dt_bias=dt_bias,
+                    dt_softplus=dt_softplus, z=z[t:t + 1] if z is not None else None)[0]
+            continue
+        if begin == end:
+            state[slot].zero_()
+            continue
+
+        def columns(t: torch.Tensor) -> torch.Tensor:  # rows [tokens, width] -> transformers' [1, width, tokens]
+            return t[begin:end].t()[None]
+
+        o, last = _transformers().mamba_scan(
+            columns(x), columns(dt), A, columns(B), columns(C), D=D, z=columns(z) if z is not None else None,
+            delta_bias=dt_bias, delta_softplus=dt_softplus, return_last_state=True)
+        out[begin:end] = o[0].t()
+        state[slot].copy_(last[0])
+    return out
+
+
 # ---- argument checks (the references'; the kernels check the same in C++) --------------------------------------------
 
 
@@ -210,14 +338,17 @@ def _check_activation(activation: str | None) -> None:
 def _state_kernels() -> ModuleType | None:
     """cbcore._C when it carries the state ops (an older build does not)."""
     cpu = _cpu_kernels()
-    return cpu if cpu is not None and hasattr(cpu, "gated_delta_rule_varlen") else None
+    wanted = ("gated_delta_rule_varlen", "mamba_scan_varlen")
+    return cpu if cpu is not None and all(hasattr(cpu, name) for name in wanted) else None
 
 
-def _why_not_cpu(tensors: tuple[torch.Tensor, ...], pool: torch.Tensor, pool_dtype: torch.dtype | None) -> str | None:
-    """None when the C++ kernels take these inputs (one dtype, float32 or bfloat16) and this pool, else the reason."""
+def _why_not_cpu(tensors: tuple[torch.Tensor, ...], pool: torch.Tensor, pool_dtype: torch.dtype | None,
+                 parameters: tuple[torch.Tensor | None, ...] = ()) -> str | None:
+    """None when the C++ kernels take these inputs (one dtype, float32 or bfloat16), this pool and these parameters
+    (any float dtype: dt, A, D, dt_bias), else the reason."""
     if _state_kernels() is None:
         return "cbcore._C has no state-op kernels (reinstall cbcore to build them)"
-    if any(t.device.type != "cpu" for t in (*tensors, pool)):
+    if any(t.device.type != "cpu" for t in (*tensors, pool, *(p for p in parameters if p is not None))):
         return "tensors are not on the CPU"
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) != 1 or next(iter(dtypes)) not in _KERNEL_DTYPES:
@@ -303,3 +434,68 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                                                         slots, has_initial_state, use_qk_l2norm, _scale(q, scale))
     return gated_delta_rule_varlen_reference(q, k, v, g, beta, cu_seqlens, state, slots, has_initial_state,
                                              use_qk_l2norm, scale)
+
+
+def _maybe_rows(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else _rows(t)
+
+
+def mamba2_state_update(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                        state: torch.Tensor, slots: torch.Tensor, D: torch.Tensor | None = None,
+                        dt_bias: torch.Tensor | None = None, z: torch.Tensor | None = None,
+                        dt_softplus: bool = False, mode: str | None = None) -> torch.Tensor:
+    """One token per request of Mamba-2's selective state update, each from its slot's fp32 state (updated in place):
+    x `[batch, H, P]`, dt `[batch, H]` (one per head), A `[H]`, B and C `[batch, G, N]`, D and dt_bias `[H]`, z
+    `[batch, H, P]` (the gate); transformers' `mamba2_selective_state_update`. Returns `[batch, H, P]` in x's dtype."""
+    inputs = (x, B, C) if z is None else (x, B, C, z)
+    if _use_kernel("mamba2_state_update", mode, _why_not_cpu(inputs, state, torch.float32, (dt, A, D, dt_bias))):
+        return _state_kernels().mamba2_state_update(_rows(x), dt, A, _rows(B), _rows(C), D, dt_bias, _maybe_rows(z),
+                                                    dt_softplus, state, slots)
+    return mamba2_state_update_reference(x, dt, A, B, C, state, slots, D, dt_bias, z, dt_softplus)
+
+
+def mamba2_scan_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                       cu_seqlens: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                       has_initial_state: torch.Tensor, D: torch.Tensor | None = None,
+                       dt_bias: torch.Tensor | None = None, dt_softplus: bool = False,
+                       dt_limit: tuple[float, float] = (0.0, float("inf")), mode: str | None = None) -> torch.Tensor:
+    """Packed requests of Mamba-2's scan: x `[tokens, H, P]`, dt `[tokens, H]`, B and C `[tokens, G, N]`; each request
+    from its slot's state (zeros without has_initial_state), its final state written back; dt clamped to dt_limit
+    after its bias and softplus. Returns fp32 `[tokens, H, P]`, as transformers' `mamba2_chunk_scan`. The kernel runs
+    token by token, the reference in chunks (see the module docstring for how far they differ)."""
+    if _use_kernel("mamba2_scan_varlen", mode, _why_not_cpu((x, B, C), state, torch.float32, (dt, A, D, dt_bias))):
+        return _state_kernels().mamba2_scan_varlen(_rows(x), dt, A, _rows(B), _rows(C), D, dt_bias, dt_softplus,
+                                                   float(dt_limit[0]), float(dt_limit[1]), cu_seqlens, state, slots,
+                                                   has_initial_state)
+    return mamba2_scan_varlen_reference(x, dt, A, B, C, cu_seqlens, state, slots, has_initial_state, D, dt_bias,
+                                        dt_softplus, dt_limit)
+
+
+def mamba_state_update(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                       state: torch.Tensor, slots: torch.Tensor, D: torch.Tensor | None = None,
+                       dt_bias: torch.Tensor | None = None, z: torch.Tensor | None = None,
+                       dt_softplus: bool = False, mode: str | None = None) -> torch.Tensor:
+    """One token per request of Mamba-1's selective state update, each from its slot's fp32 state (updated in place):
+    x, dt and z `[batch, Din]`, A `[Din, N]`, B and C `[batch, N]`, D and dt_bias `[Din]`; transformers'
+    `mamba_selective_state_update`. Returns `[batch, Din]` in x's dtype."""
+    inputs = (x, B, C) if z is None else (x, B, C, z)
+    if _use_kernel("mamba_state_update", mode, _why_not_cpu(inputs, state, torch.float32, (dt, A, D, dt_bias))):
+        return _state_kernels().mamba_state_update(_rows(x), dt, A, _rows(B), _rows(C), D, dt_bias, _maybe_rows(z),
+                                                   dt_softplus, state, slots)
+    return mamba_state_update_reference(x, dt, A, B, C, state, slots, D, dt_bias, z, dt_softplus)
+
+
+def mamba_scan_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                      cu_seqlens: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                      has_initial_state: torch.Tensor, D: torch.Tensor | None = None,
+                      dt_bias: torch.Tensor | None = None, z: torch.Tensor | None = None, dt_softplus: bool = False,
+                      mode: str | None = None) -> torch.Tensor:
+    """Packed requests of Mamba-1's selective scan: x, dt and z `[tokens, Din]`, B and C `[tokens, N]`; each request
+    from its slot's state (zeros without has_initial_state), its final state written back. Returns `[tokens, Din]` in
+    x's dtype promoted with D's, as transformers' `mamba_selective_scan` (the module docstring names the references)."""
+    inputs = (x, B, C) if z is None else (x, B, C, z)
+    if _use_kernel("mamba_scan_varlen", mode, _why_not_cpu(inputs, state, torch.float32, (dt, A, D, dt_bias))):
+        return _state_kernels().mamba_scan_varlen(_rows(x), dt, A, _rows(B), _rows(C), D, dt_bias, _maybe_rows(z),
+                                                  dt_softplus, cu_seqlens, state, slots, has_initial_state)
+    return mamba_scan_varlen_reference(x, dt, A, B, C, cu_seqlens, state, slots, has_initial_state, D, dt_bias, z,
+                                       dt_softplus)

@@ -7,12 +7,15 @@
 //
 // Work items: the conv runs one item per (request, block of kConvBlock channels), all of the request's tokens in
 // order; the delta rule one per (request, value head, block of value columns), the state's columns being independent
-// of one another. Items are taken from a shared counter, longest requests first.
+// of one another; Mamba-2 one per (request, head, block of kSsdRows rows of the head's state), and Mamba-1 one per
+// (request, block of kSelectiveBlock channels), each row or channel being its own recurrence. Items are taken from a
+// shared counter, longest requests first.
 #include "state_ops/state_ops.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/softplus.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
@@ -99,6 +102,63 @@ struct DeltaParams {
 struct DeltaItem {
   int64_t request, head, col0;
   ColumnBlock kind;
+};
+
+// Rows of a Mamba-2 head per item: 32 rows of a 128-wide state are 16 KiB, L1-resident across a request's tokens.
+constexpr int64_t kSsdRows = 32;
+// Channels per Mamba-1 item: 64 channels of a 16-wide state (4 KiB) and their A rows stay in L1.
+constexpr int64_t kSelectiveBlock = 64;
+
+struct SsdParams {
+  const void* x;  // [tokens, heads, head_dim], last dim contiguous
+  int64_t x_token_stride, x_head_stride;
+  const float* dt;  // [tokens, heads] contiguous fp32: biased, softplussed and clamped already
+  const float* A;   // [heads]
+  const void* B;    // [tokens, groups, state_size], last dim contiguous
+  const void* C;
+  int64_t b_token_stride, b_group_stride, c_token_stride, c_group_stride;
+  const float* D;  // [heads]; nullptr: no skip
+  const void* z;   // [tokens, heads, head_dim], last dim contiguous; nullptr: no gate
+  int64_t z_token_stride, z_head_stride;
+  float* state;  // [num_slots, heads, head_dim, state_size] contiguous
+  int64_t state_slot_stride;
+  const int64_t* slots;
+  const int64_t* cu_seqlens;      // nullptr: one token per request
+  const bool* has_initial_state;  // nullptr: every request continues its state
+  void* out;                      // [tokens, heads, head_dim] contiguous
+  int64_t heads, head_dim, state_size, heads_per_group;
+  bool update;        // the update's arithmetic and output in x's dtype; else the scan's, output in fp32
+  bool d_in_x_dtype;  // D has x's dtype (transformers' x D is then computed in it)
+};
+
+struct SsdItem {
+  int64_t request, head, row0, rows;
+};
+
+struct SelectiveParams {
+  const void* x;  // [tokens, channels], channels contiguous
+  int64_t x_token_stride;
+  const float* dt;  // [tokens, channels] contiguous fp32: biased and softplussed already
+  const float* A;   // [channels, state_size] contiguous
+  const void* B;    // [tokens, state_size], last dim contiguous
+  const void* C;
+  int64_t b_token_stride, c_token_stride;
+  const float* D;  // [channels]; nullptr: no skip
+  const void* z;   // [tokens, channels], channels contiguous; nullptr: no gate
+  int64_t z_token_stride;
+  float* state;  // [num_slots, channels, state_size] contiguous
+  int64_t state_slot_stride;
+  const int64_t* slots;
+  const int64_t* cu_seqlens;      // nullptr: one token per request
+  const bool* has_initial_state;  // nullptr: every request continues its state
+  void* out;                      // [tokens, channels] contiguous
+  int64_t channels, state_size;
+  bool float_output;  // out is fp32 (else x's dtype)
+  bool d_in_x_dtype;  // D has x's dtype (transformers' x D is then computed in it)
+};
+
+struct SelectiveItem {
+  int64_t request, c0, n;
 };
 
 // Below this much work (cost units: one multiply-add) per thread, a call stays on fewer threads: waking the pool
@@ -450,6 +510,225 @@ at::Tensor gated_delta_rule_varlen(const at::Tensor& q, const at::Tensor& k, con
                     use_qk_l2norm, scale);
 }
 
+// ---- Mamba's selective state spaces --------------------------------------------------------------------------------
+
+// A per-head or per-channel parameter (A, D, dt_bias) of any floating dtype, read as contiguous fp32.
+at::Tensor param_as_float(const char* op, const char* name, const at::Tensor& t, at::IntArrayRef shape,
+                          const char* dims) {
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.sizes() == shape && at::isFloatingType(t.scalar_type()), "cbcore ", op,
+                    ": ", name, " must be a floating-point CPU tensor ", shape, " (", dims, "), got ", t.sizes(), " ",
+                    t.scalar_type(), " on ", t.device());
+  return t.to(at::kFloat).contiguous();
+}
+
+// An input of x's dtype with the given sizes and a contiguous last dimension (B, C, z).
+void check_like_x(const char* op, const char* name, const at::Tensor& t, const at::Tensor& x, at::IntArrayRef shape,
+                  const char* dims) {
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.sizes() == shape && t.scalar_type() == x.scalar_type() &&
+                        t.stride(-1) == 1,
+                    "cbcore ", op, ": ", name, " must be a ", x.scalar_type(), " CPU tensor ", shape, " (", dims,
+                    ") with a contiguous last dimension, got ", t.sizes(), " ", t.scalar_type(), " strides ",
+                    t.strides(), " on ", t.device());
+}
+
+// transformers' time step, with its own ops in dt's dtype (so that a bf16 dt is rounded where transformers rounds
+// it): dt + dt_bias, softplus when asked, clamped to `limit` when given (Mamba-2's chunk scan clamps, the updates do
+// not). Returned as contiguous fp32 [tokens, width].
+at::Tensor time_step(const char* op, const at::Tensor& dt, int64_t tokens, int64_t width, const char* dims,
+                     const std::optional<at::Tensor>& dt_bias, bool softplus,
+                     std::optional<std::pair<double, double>> limit) {
+  TORCH_CHECK_VALUE(dt.device().is_cpu() && dt.dim() == 2 && dt.size(0) == tokens && dt.size(1) == width &&
+                        at::isFloatingType(dt.scalar_type()),
+                    "cbcore ", op, ": dt must be a floating-point CPU tensor [", tokens, ", ", width, "] (", dims,
+                    "), got ", dt.sizes(), " ", dt.scalar_type(), " on ", dt.device());
+  at::Tensor step = dt;
+  if (dt_bias.has_value()) {
+    TORCH_CHECK_VALUE(dt_bias->device().is_cpu() && dt_bias->dim() == 1 && dt_bias->size(0) == width &&
+                          at::isFloatingType(dt_bias->scalar_type()),
+                      "cbcore ", op, ": dt_bias must be None or a floating-point CPU tensor [", width, "], got ",
+                      dt_bias->sizes(), " ", dt_bias->scalar_type());
+    step = step.add(dt_bias->to(step.scalar_type()));
+  }
+  if (softplus) step = at::softplus(step);
+  if (limit.has_value())
+    step = step.clamp(std::optional<at::Scalar>(limit->first), std::optional<at::Scalar>(limit->second));
+  return step.to(at::kFloat).contiguous();
+}
+
+// state: a contiguous fp32 pool [num_slots, *inner] (dims names the inner dimensions).
+void check_ssm_state(const char* op, const at::Tensor& state, const std::vector<int64_t>& inner, const char* dims) {
+  std::string expected = "[num_slots";
+  for (const int64_t size : inner) expected += ", " + std::to_string(size);
+  TORCH_CHECK_VALUE(state.device().is_cpu() && state.dim() == static_cast<int64_t>(inner.size()) + 1 &&
+                        state.sizes().slice(1) == at::IntArrayRef(inner) && state.scalar_type() == at::kFloat &&
+                        state.is_contiguous(),
+                    "cbcore ", op, ": state must be a contiguous float32 CPU tensor ", expected, "] (num_slots, ", dims,
+                    "), got ", state.sizes(), " ", state.scalar_type(),
+                    state.is_contiguous() ? "" : " (not contiguous)");
+}
+
+// Mamba-2 (state space duality): the update (one token per request, no cu_seqlens) and the varlen scan.
+at::Tensor ssd(const char* op, const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
+               const at::Tensor& C, const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& dt_bias,
+               const std::optional<at::Tensor>& z, bool dt_softplus, std::optional<std::pair<double, double>> dt_limit,
+               const std::optional<at::Tensor>& cu_seqlens, at::Tensor& state, const at::Tensor& slots,
+               const std::optional<at::Tensor>& has_initial_state) {
+  const bool update = !cu_seqlens.has_value();
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1, "cbcore ", op,
+                    ": x must be a CPU tensor [tokens, heads, head_dim] with a contiguous last dimension, got ",
+                    x.sizes(), " strides ", x.strides(), " on ", x.device());
+  TORCH_CHECK_VALUE(kernel_dtype(x.scalar_type()), "cbcore ", op, ": x is ", x.scalar_type(),
+                    " (supported: float32, bfloat16)");
+  const int64_t tokens = x.size(0), heads = x.size(1), head_dim = x.size(2);
+  TORCH_CHECK_VALUE(B.dim() == 3 && B.size(0) == tokens && B.size(1) >= 1 && heads % B.size(1) == 0, "cbcore ", op,
+                    ": B must be [tokens=", tokens, ", groups, state_size] with groups dividing the ", heads,
+                    " heads, got ", B.sizes());
+  const int64_t groups = B.size(1), state_size = B.size(2);
+  check_like_x(op, "B", B, x, {tokens, groups, state_size}, "tokens, groups, state_size");
+  check_like_x(op, "C", C, x, {tokens, groups, state_size}, "tokens, groups, state_size");
+  if (z.has_value()) check_like_x(op, "z", *z, x, {tokens, heads, head_dim}, "tokens, heads, head_dim");
+  const at::Tensor A32 = param_as_float(op, "A", A, {heads}, "heads");
+  std::optional<at::Tensor> D32;
+  if (D.has_value()) D32 = param_as_float(op, "D", *D, {heads}, "heads");
+  const at::Tensor dt32 = time_step(op, dt, tokens, heads, "tokens, heads", dt_bias, dt_softplus, dt_limit);
+  check_ssm_state(op, state, {heads, head_dim, state_size}, "heads, head_dim, state_size");
+
+  std::vector<int64_t> cu;
+  int64_t requests = tokens;
+  const bool* has_initial = nullptr;
+  if (!update) {
+    cu = check_cu_seqlens(op, *cu_seqlens, tokens);
+    requests = static_cast<int64_t>(cu.size()) - 1;
+    has_initial = check_has_initial_state(op, *has_initial_state, requests);
+  }
+  const int64_t* slot_ids = check_slots(op, slots, requests, state.size(0));
+
+  at::Tensor out = at::empty({tokens, heads, head_dim}, x.options().dtype(update ? x.scalar_type() : at::kFloat));
+  SsdParams p{x.const_data_ptr(), x.stride(0), x.stride(1), dt32.const_data_ptr<float>(),
+              A32.const_data_ptr<float>(), B.const_data_ptr(), C.const_data_ptr(), B.stride(0), B.stride(1),
+              C.stride(0), C.stride(1), D32.has_value() ? D32->const_data_ptr<float>() : nullptr,
+              z.has_value() ? z->const_data_ptr() : nullptr, z.has_value() ? z->stride(0) : 0,
+              z.has_value() ? z->stride(1) : 0, state.data_ptr<float>(), state.stride(0), slot_ids,
+              cu.empty() ? nullptr : cu.data(), has_initial, out.data_ptr(), heads, head_dim, state_size,
+              heads / groups, update, D.has_value() && D->scalar_type() == x.scalar_type()};
+
+  std::vector<SsdItem> items;
+  int64_t total_cost = 0;
+  for (const int64_t r : longest_first(cu, requests)) {
+    const int64_t length = cu.empty() ? 1 : cu[r + 1] - cu[r];
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t row0 = 0; row0 < head_dim; row0 += kSsdRows)
+        items.push_back({r, h, row0, std::min(kSsdRows, head_dim - row0)});
+    total_cost += (length + 1) * heads * head_dim * state_size * 2;
+  }
+  if (x.scalar_type() == at::kFloat) {
+    CB_RUN_ISA(run_ssd, float, p, items, total_cost);
+  } else {
+    CB_RUN_ISA(run_ssd, c10::BFloat16, p, items, total_cost);
+  }
+  return out;
+}
+
+at::Tensor mamba2_state_update(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
+                               const at::Tensor& C, const std::optional<at::Tensor>& D,
+                               const std::optional<at::Tensor>& dt_bias, const std::optional<at::Tensor>& z,
+                               bool dt_softplus, at::Tensor& state, const at::Tensor& slots) {
+  return ssd("mamba2_state_update", x, dt, A, B, C, D, dt_bias, z, dt_softplus, std::nullopt, std::nullopt, state,
+             slots, std::nullopt);
+}
+
+at::Tensor mamba2_scan_varlen(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
+                              const at::Tensor& C, const std::optional<at::Tensor>& D,
+                              const std::optional<at::Tensor>& dt_bias, bool dt_softplus, double dt_min,
+                              double dt_max, const at::Tensor& cu_seqlens, at::Tensor& state, const at::Tensor& slots,
+                              const at::Tensor& has_initial_state) {
+  return ssd("mamba2_scan_varlen", x, dt, A, B, C, D, dt_bias, std::nullopt, dt_softplus,
+             std::make_pair(dt_min, dt_max), cu_seqlens, state, slots, has_initial_state);
+}
+
+// Mamba-1: the update (one token per request, no cu_seqlens) and the varlen scan.
+at::Tensor selective(const char* op, const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A,
+                     const at::Tensor& B, const at::Tensor& C, const std::optional<at::Tensor>& D,
+                     const std::optional<at::Tensor>& dt_bias, const std::optional<at::Tensor>& z, bool dt_softplus,
+                     const std::optional<at::Tensor>& cu_seqlens, at::Tensor& state, const at::Tensor& slots,
+                     const std::optional<at::Tensor>& has_initial_state) {
+  const bool update = !cu_seqlens.has_value();
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1, "cbcore ", op,
+                    ": x must be a CPU tensor [tokens, channels] with contiguous channels, got ", x.sizes(),
+                    " strides ", x.strides(), " on ", x.device());
+  TORCH_CHECK_VALUE(kernel_dtype(x.scalar_type()), "cbcore ", op, ": x is ", x.scalar_type(),
+                    " (supported: float32, bfloat16)");
+  const int64_t tokens = x.size(0), channels = x.size(1);
+  TORCH_CHECK_VALUE(A.dim() == 2 && A.size(0) == channels, "cbcore ", op, ": A must be [channels=", channels,
+                    ", state_size], got ", A.sizes());
+  const int64_t state_size = A.size(1);
+  const at::Tensor A32 = param_as_float(op, "A", A, {channels, state_size}, "channels, state_size");
+  check_like_x(op, "B", B, x, {tokens, state_size}, "tokens, state_size");
+  check_like_x(op, "C", C, x, {tokens, state_size}, "tokens, state_size");
+  if (z.has_value()) check_like_x(op, "z", *z, x, {tokens, channels}, "tokens, channels");
+  std::optional<at::Tensor> D32;
+  if (D.has_value()) D32 = param_as_float(op, "D", *D, {channels}, "channels");
+  const at::Tensor dt32 = time_step(op, dt, tokens, channels, "tokens, channels", dt_bias, dt_softplus, std::nullopt);
+  check_ssm_state(op, state, {channels, state_size}, "channels, state_size");
+  // The update returns x's dtype; the scan what transformers' sum of the scan, the D skip and the gate comes to.
+  at::ScalarType out_type = x.scalar_type();
+  if (!update && D.has_value()) out_type = c10::promoteTypes(out_type, D->scalar_type());
+  TORCH_CHECK_VALUE(kernel_dtype(out_type), "cbcore ", op, ": D is ", D.has_value() ? D->scalar_type() : out_type,
+                    ", which makes the output ", out_type, " (supported: float32, bfloat16)");
+
+  std::vector<int64_t> cu;
+  int64_t requests = tokens;
+  const bool* has_initial = nullptr;
+  if (!update) {
+    cu = check_cu_seqlens(op, *cu_seqlens, tokens);
+    requests = static_cast<int64_t>(cu.size()) - 1;
+    has_initial = check_has_initial_state(op, *has_initial_state, requests);
+  }
+  const int64_t* slot_ids = check_slots(op, slots, requests, state.size(0));
+
+  at::Tensor out = at::empty({tokens, channels}, x.options().dtype(out_type));
+  SelectiveParams p{x.const_data_ptr(), x.stride(0), dt32.const_data_ptr<float>(), A32.const_data_ptr<float>(),
+                    B.const_data_ptr(), C.const_data_ptr(), B.stride(0), C.stride(0),
+                    D32.has_value() ? D32->const_data_ptr<float>() : nullptr,
+                    z.has_value() ? z->const_data_ptr() : nullptr, z.has_value() ? z->stride(0) : 0,
+                    state.data_ptr<float>(), state.stride(0), slot_ids, cu.empty() ? nullptr : cu.data(), has_initial,
+                    out.data_ptr(), channels, state_size, out_type == at::kFloat,
+                    D.has_value() && D->scalar_type() == x.scalar_type()};
+
+  std::vector<SelectiveItem> items;
+  int64_t total_cost = 0;
+  for (const int64_t r : longest_first(cu, requests)) {
+    const int64_t length = cu.empty() ? 1 : cu[r + 1] - cu[r];
+    for (int64_t c0 = 0; c0 < channels; c0 += kSelectiveBlock)
+      items.push_back({r, c0, std::min(kSelectiveBlock, channels - c0)});
+    // An exponential costs about ten multiply-adds.
+    total_cost += (length + 1) * channels * state_size * 12;
+  }
+  if (x.scalar_type() == at::kFloat) {
+    CB_RUN_ISA(run_selective, float, p, items, total_cost);
+  } else {
+    CB_RUN_ISA(run_selective, c10::BFloat16, p, items, total_cost);
+  }
+  return out;
+}
+
+at::Tensor mamba_state_update(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
+                              const at::Tensor& C, const std::optional<at::Tensor>& D,
+                              const std::optional<at::Tensor>& dt_bias, const std::optional<at::Tensor>& z,
+                              bool dt_softplus, at::Tensor& state, const at::Tensor& slots) {
+  return selective("mamba_state_update", x, dt, A, B, C, D, dt_bias, z, dt_softplus, std::nullopt, state, slots,
+                   std::nullopt);
+}
+
+at::Tensor mamba_scan_varlen(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
+                             const at::Tensor& C, const std::optional<at::Tensor>& D,
+                             const std::optional<at::Tensor>& dt_bias, const std::optional<at::Tensor>& z,
+                             bool dt_softplus, const at::Tensor& cu_seqlens, at::Tensor& state,
+                             const at::Tensor& slots, const at::Tensor& has_initial_state) {
+  return selective("mamba_scan_varlen", x, dt, A, B, C, D, dt_bias, z, dt_softplus, cu_seqlens, state, slots,
+                   has_initial_state);
+}
+
 // ---- instruction-set selection ----------------------------------------------------------------------------------
 
 std::string isa() { return isa_name(active_isa().load()); }
@@ -505,6 +784,30 @@ void register_state_ops_bindings(pybind11::module_& m) {
         py::arg("use_qk_l2norm"), py::arg("scale"), py::call_guard<py::gil_scoped_release>(),
         "Packed requests of the gated delta rule, token by token from each slot's state (zeros without "
         "has_initial_state), the final state written back. Returns [tokens, heads, dv].");
+  m.def("mamba2_state_update", &mamba2_state_update, py::arg("x"), py::arg("dt"), py::arg("A"), py::arg("B"),
+        py::arg("C"), py::arg("D"), py::arg("dt_bias"), py::arg("z"), py::arg("dt_softplus"), py::arg("state"),
+        py::arg("slots"), py::call_guard<py::gil_scoped_release>(),
+        "One token per request of Mamba-2's selective state update: x [batch, heads, head_dim], dt [batch, heads], "
+        "A [heads], B and C [batch, groups, state_size], D and dt_bias [heads] or None, z [batch, heads, head_dim] or "
+        "None, state float32 [num_slots, heads, head_dim, state_size] (updated in place). Returns [batch, heads, "
+        "head_dim] in x's dtype.");
+  m.def("mamba2_scan_varlen", &mamba2_scan_varlen, py::arg("x"), py::arg("dt"), py::arg("A"), py::arg("B"),
+        py::arg("C"), py::arg("D"), py::arg("dt_bias"), py::arg("dt_softplus"), py::arg("dt_min"), py::arg("dt_max"),
+        py::arg("cu_seqlens"), py::arg("state"), py::arg("slots"), py::arg("has_initial_state"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Packed requests of Mamba-2's scan, token by token from each slot's state (zeros without has_initial_state), "
+        "dt clamped to [dt_min, dt_max], the final state written back. Returns float32 [tokens, heads, head_dim].");
+  m.def("mamba_state_update", &mamba_state_update, py::arg("x"), py::arg("dt"), py::arg("A"), py::arg("B"),
+        py::arg("C"), py::arg("D"), py::arg("dt_bias"), py::arg("z"), py::arg("dt_softplus"), py::arg("state"),
+        py::arg("slots"), py::call_guard<py::gil_scoped_release>(),
+        "One token per request of Mamba-1's selective state update: x, dt and z [batch, channels], A [channels, "
+        "state_size], B and C [batch, state_size], D and dt_bias [channels] or None, state float32 [num_slots, "
+        "channels, state_size] (updated in place). Returns [batch, channels] in x's dtype.");
+  m.def("mamba_scan_varlen", &mamba_scan_varlen, py::arg("x"), py::arg("dt"), py::arg("A"), py::arg("B"),
+        py::arg("C"), py::arg("D"), py::arg("dt_bias"), py::arg("z"), py::arg("dt_softplus"), py::arg("cu_seqlens"),
+        py::arg("state"), py::arg("slots"), py::arg("has_initial_state"), py::call_guard<py::gil_scoped_release>(),
+        "Packed requests of Mamba-1's selective scan, from each slot's state (zeros without has_initial_state), the "
+        "final state written back. Returns [tokens, channels] in x's dtype promoted with D's.");
   m.def("state_ops_isa", &state_ops::isa, "The instruction set the state-op kernels use: 'avx512', 'avx2' or 'generic'.");
   m.def("state_ops_isas", &available_isas,
         "The instruction sets this CPU and build can run the state-op kernels with, portable first.");
