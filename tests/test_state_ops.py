@@ -1,7 +1,8 @@
 """The stateful layers' C++ CPU kernels (cbcore._C: causal_conv1d_update / _varlen, gated_delta_rule_recurrent /
 _varlen, mamba2_state_update / mamba2_scan_varlen, mamba_state_update / mamba_scan_varlen) against their plain-torch
 references in cbcore/ops/state_ops.py, which call transformers' own functions per request; then the dispatch of the
-Python faces and the argument checks.
+Python faces, the argument checks, and the adapters bound at transformers' seams (cbcore/state_seams.py) against
+transformers' functions on the arguments its mixers pass.
 
 Every case runs on a pool with more slots than requests, the requests' slots scattered (not 0..n-1, not in order), so
 a read or write of the wrong slot shows; slots no request names must come out untouched. Shapes are small and odd
@@ -14,9 +15,13 @@ rounding of the output is up to 2^-8 relative; the conv also rounds before its S
 
 from __future__ import annotations
 
+import importlib
+import inspect
+
 import pytest
 import torch
 
+from cbcore import state_seams
 from cbcore.ops import state_ops
 
 _C = state_ops._state_kernels()
@@ -608,3 +613,82 @@ def test_mamba_kernels_check_their_arguments():
                              torch.tensor([False]))
     with pytest.raises(ValueError, match="slots lists slot 1 twice"):
         _C.mamba_state_update(x, dt, A, B, C, D, dt_bias, z, True, pool, torch.tensor([1, 1]))
+
+
+# ---- transformers' seams (cbcore/state_seams.py) -----------------------------------------------------------------
+
+
+def transformers_function(module: str, name: str):
+    """transformers' torch function `name` of models/<module>, unwrapped from its hub-kernel decorator."""
+    return inspect.unwrap(getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name))
+
+
+def test_mamba2_seams_return_what_transformers_returns_for_the_mixers_arguments():
+    """The update given dt, A, D and dt_bias expanded over the head dim (as Mamba2Mixer passes them); the scan from a
+    state and from none, in [batch, tokens, heads, head_dim]."""
+    x, dt, A, B, C, D, dt_bias, _, pool = ssd_inputs(12, 2, torch.float32, seed=60)
+    per_row = (SSD_HEADS, SSD_HEAD_DIM)
+    update_args = (x[:2], dt[:2, :, None].expand(2, *per_row), A[:, None, None].expand(*per_row, SSD_STATE), B[:2],
+                   C[:2], D[:, None].expand(per_row))
+    update_kwargs = {"z": None, "dt_bias": dt_bias[:, None].expand(per_row), "dt_softplus": True}
+    state, want_state = pool.clone(), pool.clone()
+    want = transformers_function("mamba2", "mamba2_selective_state_update")(want_state, *update_args, **update_kwargs)
+    got = state_seams._KERNELS["mamba2_selective_state_update"](state, *update_args, **update_kwargs)
+    assert_close(got, want)
+    assert_close(state, want_state)
+
+    def scan_args(t: torch.Tensor) -> torch.Tensor:
+        return t[:10].reshape(2, 5, *t.shape[1:])
+
+    before = pool.clone()
+    for initial in (None, pool):
+        scan_kwargs = {"chunk_size": 4, "D": D, "dt_bias": dt_bias, "initial_states": initial, "dt_softplus": True,
+                       "dt_limit": (0.0, float("inf")), "return_final_states": True, "z": None}
+        args = [scan_args(t) for t in (x, dt)] + [A] + [scan_args(t) for t in (B, C)]
+        want, want_final = transformers_function("mamba2", "mamba2_chunk_scan")(*args, **scan_kwargs)
+        got, final = state_seams._KERNELS["mamba2_chunk_scan"](*args, **scan_kwargs)
+        assert_close(got, want)
+        assert_close(final, want_final)
+    assert torch.equal(pool, before)  # initial_states left as it was, as transformers leaves it
+
+
+def test_mamba_seams_return_what_transformers_returns_for_the_mixers_arguments():
+    """The update on [batch, channels] rows; the scan on [batch, channels, tokens] (tokens contiguous, as MambaMixer's
+    conv output) with B and C as transposed views, from zeros."""
+    x, dt, A, B, C, D, dt_bias, z, pool = selective_inputs(12, 2, torch.float32, seed=61)
+    state, want_state = pool.clone(), pool.clone()
+    update_kwargs = {"z": z[:2], "dt_bias": dt_bias, "dt_softplus": True}
+    want = transformers_function("mamba", "mamba_selective_state_update")(want_state, x[:2], dt[:2], A, B[:2], C[:2],
+                                                                          D, **update_kwargs)
+    got = state_seams._KERNELS["mamba_selective_state_update"](state, x[:2], dt[:2], A, B[:2], C[:2], D,
+                                                              **update_kwargs)
+    assert_close(got, want)
+    assert_close(state, want_state)
+
+    def columns(t: torch.Tensor) -> torch.Tensor:  # [2 * 6, width] -> [2, width, 6], tokens contiguous
+        return t.reshape(2, 6, -1).transpose(1, 2).contiguous()
+
+    args = (columns(x), columns(dt), A, columns(B), columns(C))
+    scan_kwargs = {"D": D, "z": columns(z), "delta_bias": dt_bias, "delta_softplus": True, "return_last_state": True}
+    want, want_last = transformers_function("mamba", "mamba_selective_scan")(*args, **scan_kwargs)
+    got, last = state_seams._KERNELS["mamba_selective_scan"](*args, **scan_kwargs)
+    assert_close(got, want)
+    assert_close(last, want_last)
+
+
+def test_bind_points_the_mamba_seams_at_dispatchers_and_unbind_gives_them_back():
+    from transformers.models.bamba import modeling_bamba
+    from transformers.models.jamba import modeling_jamba
+
+    seams = {modeling_bamba: ("mamba2_selective_state_update", "mamba2_chunk_scan"),
+             modeling_jamba: ("mamba_selective_state_update", "mamba_selective_scan")}
+    originals = {(module, name): getattr(module, name) for module, names in seams.items() for name in names}
+    bound = state_seams.bind({module.__name__ for module in seams})
+    try:
+        assert bound == {module.__name__ for module in seams}
+        for (module, name), original in originals.items():
+            assert getattr(module, name).cbcore_seam and getattr(module, name).__wrapped__ is original
+    finally:
+        state_seams.unbind(bound)
+    for (module, name), original in originals.items():
+        assert getattr(module, name) is original
