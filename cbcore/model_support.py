@@ -59,8 +59,8 @@ from .switches import env_switch
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 # Layer kinds a hybrid's config names for its stateful layers (a Mamba or delta-rule mixer, a short convolution, a
-# layer with both attention, full or sliding, and a mixer) and for layers with neither (an MLP or MoE block alone): served when the
-# model's stateful layers go through transformers' cache API.
+# layer with both attention, full or sliding, and a mixer) and for layers with neither (an MLP or MoE block alone):
+# served when the model's stateful layers go through transformers' cache API.
 STATE_MODEL_LAYER_TYPES = frozenset({"linear_attention", "mamba", "conv", "hybrid", "hybrid_sliding", "moe", "mlp"})
 SELF_CHECK_ENV = "CBCORE_SELF_CHECK"
 

@@ -206,8 +206,8 @@ def test_the_compiled_step_is_refused_for_a_stateful_model() -> None:
 
     model = model_of("qwen3_next")
     config = greedy()
-    manager = cbcore.ContinuousBatchingManager(
-        model, config, cbcore.ContinuousBatchingConfig(page_size=4, num_blocks=16, varlen_compile_config=CompileConfig()))
+    cb_config = cbcore.ContinuousBatchingConfig(page_size=4, num_blocks=16, varlen_compile_config=CompileConfig())
+    manager = cbcore.ContinuousBatchingManager(model, config, cb_config)
     with pytest.raises(NotImplementedError, match="Qwen3NextForCausalLM.*per-request state.*compiled step"):
         manager.warmup()
 

@@ -150,8 +150,8 @@ class EngineCore:
             pool = StatePool(specs, num_slots, device)
         except (RuntimeError, MemoryError) as error:
             needed = num_slots * StatePool.bytes_per_slot(specs)
-            raise allocation_error(f"state pool of {num_slots} slots", f"max_requests_per_batch (state slots: {num_slots})",
-                                   needed, device, error) from error
+            option = f"max_requests_per_batch (state slots: {num_slots})"
+            raise allocation_error(f"state pool of {num_slots} slots", option, needed, device, error) from error
         logger.info(f"cbcore: state pool of {num_slots} slots ({gib(pool.nbytes)} GiB, "
                     f"{StatePool.bytes_per_slot(specs)} bytes per request over {len(pool.layers)} stateful layers)")
         return pool
@@ -495,8 +495,8 @@ def _check_stateful_options(model: torch.nn.Module, compile_configs, tensor_para
     if any(config is not None for config in compile_configs):
         raise NotImplementedError(
             f"{name} has layers with a per-request state, which cbcore runs per request outside a compiled graph; "
-            "the compiled step is not supported for it yet: leave compile_config and default_compile_level unset "
-            "(or set CBCORE_COMPILE=0)"
+            "the compiled step is not supported for it yet: leave varlen_compile_config, decode_compile_config and "
+            "default_compile_level unset (or set CBCORE_COMPILE=0)"
         )
     if tensor_parallel is not None:
         raise NotImplementedError(
