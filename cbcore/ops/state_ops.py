@@ -124,15 +124,12 @@ def causal_conv1d_varlen_reference(x: torch.Tensor, cu_seqlens: torch.Tensor, co
     as transformers' `update_conv_state`) followed by the tokens, through transformers' `causal_conv1d_fn`; the last K
     inputs written back to the slot."""
     _check_activation(activation)
-    bounds = _check_cu_seqlens(cu_seqlens, x.shape[0])
-    ids = _check_slots(slots, len(bounds) - 1, conv_state.shape[0])
-    initial = _check_has_initial_state(has_initial_state, len(ids))
+    requests = _requests(cu_seqlens, x.shape[0], slots, conv_state.shape[0], has_initial_state)
     width = conv_state.shape[-1]
     out = torch.empty_like(x)
-    for i, slot in enumerate(ids):
-        begin, end = bounds[i], bounds[i + 1]
+    for slot, begin, end, initial in requests:
         tokens = x[begin:end].t()[None]  # [1, C, L]
-        if initial[i]:
+        if initial:
             full = torch.cat([conv_state[slot:slot + 1], tokens.to(conv_state.dtype)], dim=-1)
         else:
             full = torch.nn.functional.pad(tokens, (max(width - tokens.shape[-1], 0), 0))
@@ -177,20 +174,17 @@ def gated_delta_rule_varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch
                                       use_qk_l2norm: bool = False, scale: float | None = None) -> torch.Tensor:
     """transformers' `torch_chunk_gated_delta_rule` per request, from its slot's state (or zeros without
     has_initial_state), the final state written back."""
-    bounds = _check_cu_seqlens(cu_seqlens, q.shape[0])
-    ids = _check_slots(slots, len(bounds) - 1, state.shape[0])
-    initial = _check_has_initial_state(has_initial_state, len(ids))
+    requests = _requests(cu_seqlens, q.shape[0], slots, state.shape[0], has_initial_state)
     out = torch.empty(v.shape, dtype=q.dtype, device=v.device)
     q_in, k_in, l2norm = _rule_inputs(q, k, use_qk_l2norm, scale)
-    for i, slot in enumerate(ids):
-        begin, end = bounds[i], bounds[i + 1]
+    for slot, begin, end, initial in requests:
         if begin == end:
-            if not initial[i]:
+            if not initial:
                 state[slot].zero_()
             continue
         o, final = _transformers().chunk_rule(
             q_in[None, begin:end], k_in[None, begin:end], v[None, begin:end], g[None, begin:end],
-            beta[None, begin:end], initial_state=state[slot:slot + 1] if initial[i] else None,
+            beta[None, begin:end], initial_state=state[slot:slot + 1] if initial else None,
             output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
         out[begin:end] = o[0]
         state[slot].copy_(final[0])
@@ -224,19 +218,16 @@ def mamba2_scan_varlen_reference(x: torch.Tensor, dt: torch.Tensor, A: torch.Ten
                                  chunk_size: int = 256) -> torch.Tensor:
     """transformers' `mamba2_chunk_scan` per request, from its slot's state (or zeros without has_initial_state), the
     final state written back. chunk_size: the reference's chunk length (the result depends on it by rounding only)."""
-    bounds = _check_cu_seqlens(cu_seqlens, x.shape[0])
-    ids = _check_slots(slots, len(bounds) - 1, state.shape[0])
-    initial = _check_has_initial_state(has_initial_state, len(ids))
+    requests = _requests(cu_seqlens, x.shape[0], slots, state.shape[0], has_initial_state)
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    for i, slot in enumerate(ids):
-        begin, end = bounds[i], bounds[i + 1]
+    for slot, begin, end, initial in requests:
         if begin == end:
-            if not initial[i]:
+            if not initial:
                 state[slot].zero_()
             continue
         o, final = _transformers().mamba2_scan(
             x[None, begin:end], dt[None, begin:end], A, B[None, begin:end], C[None, begin:end], chunk_size, D=D,
-            dt_bias=dt_bias, initial_states=state[slot:slot + 1] if initial[i] else None, dt_softplus=dt_softplus,
+            dt_bias=dt_bias, initial_states=state[slot:slot + 1] if initial else None, dt_softplus=dt_softplus,
             dt_limit=dt_limit, return_final_states=True)
         out[begin:end] = o[0]
         state[slot].copy_(final[0])
@@ -265,14 +256,11 @@ def mamba_scan_varlen_reference(x: torch.Tensor, dt: torch.Tensor, A: torch.Tens
     """Per request: without has_initial_state, transformers' `mamba_selective_scan` (which starts from zeros), its
     last state written to the slot; with it, transformers' `mamba_selective_state_update` token by token from the
     slot (the scan takes no state). Output in x's dtype promoted with D's, as `mamba_selective_scan` returns it."""
-    bounds = _check_cu_seqlens(cu_seqlens, x.shape[0])
-    ids = _check_slots(slots, len(bounds) - 1, state.shape[0])
-    initial = _check_has_initial_state(has_initial_state, len(ids))
+    requests = _requests(cu_seqlens, x.shape[0], slots, state.shape[0], has_initial_state)
     out_dtype = torch.promote_types(x.dtype, D.dtype) if D is not None else x.dtype
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    for i, slot in enumerate(ids):
-        begin, end = bounds[i], bounds[i + 1]
-        if initial[i]:
+    for slot, begin, end, initial in requests:
+        if initial:
             for t in range(begin, end):
                 out[t] = _transformers().mamba_update(
                     state[slot:slot + 1], x[t:t + 1], dt[t:t + 1], A, B[t:t + 1], C[t:t + 1], D, dt_bias=dt_bias,
@@ -294,6 +282,15 @@ def mamba_scan_varlen_reference(x: torch.Tensor, dt: torch.Tensor, A: torch.Tens
 
 
 # ---- argument checks (the references'; the kernels check the same in C++) --------------------------------------------
+
+
+def _requests(cu_seqlens: torch.Tensor, num_tokens: int, slots: torch.Tensor, num_slots: int,
+              has_initial_state: torch.Tensor) -> list[tuple[int, int, int, bool]]:
+    """A varlen call's requests, checked: (slot, first row, end row, whether it starts from its slot's state)."""
+    bounds = _check_cu_seqlens(cu_seqlens, num_tokens)
+    ids = _check_slots(slots, len(bounds) - 1, num_slots)
+    initial = _check_has_initial_state(has_initial_state, len(ids))
+    return [(slot, bounds[i], bounds[i + 1], initial[i]) for i, slot in enumerate(ids)]
 
 
 def _check_slots(slots: torch.Tensor, count: int, num_slots: int) -> list[int]:
