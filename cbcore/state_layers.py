@@ -167,6 +167,10 @@ class StatePool:
             (s.layer_idx, s.kind, s.index): zeroed_pages((num_slots, *s.shape), s.dtype, device) for s in specs
         }
         self.layers = sorted({s.layer_idx for s in specs})
+        # Per layer, its tensors by (kind, index): what each stateful layer's call reads, every step.
+        self._by_layer: dict[int, dict[tuple[str, int], torch.Tensor]] = {layer: {} for layer in self.layers}
+        for (layer, kind, index), tensor in self.tensors.items():
+            self._by_layer[layer][(kind, index)] = tensor
 
     @property
     def nbytes(self) -> int:
@@ -191,7 +195,7 @@ class StatePool:
 
     def layer_tensors(self, layer_idx: int) -> dict[tuple[str, int], torch.Tensor]:
         """(kind, index) -> pool tensor of one layer."""
-        return {(kind, index): t for (layer, kind, index), t in self.tensors.items() if layer == layer_idx}
+        return self._by_layer.get(layer_idx, {})
 
 
 # -------------------------------------------------------------------------------------------- the step ----
@@ -220,7 +224,8 @@ class StateStep:
         first = batched[0].start if batched else 0
         contiguous = all(row.start == first + i for i, row in enumerate(batched))
         self.batched = batched if contiguous and len(batched) > 1 else []
-        self.singles = [row for row in rows if row not in self.batched] if self.batched else list(rows)
+        self.singles = [row for row in rows if not (row.num_tokens == 1 and row.has_previous)] if self.batched \
+            else list(rows)
         device = next(iter(pool.tensors.values())).device if pool.tensors else torch.device("cpu")
         slots = [row.slot for row in self.batched]
         self.batched_slots = torch.tensor(slots, dtype=torch.long, device=device) if slots else None
