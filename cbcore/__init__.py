@@ -11,13 +11,16 @@ from .config import ContinuousBatchingConfig
 from .manager import ContinuousBatchingManager
 from .mixin import ContinuousMixin, enable
 from .model_support import UnsupportedModelError, check_model_supported
-from .requests import GenerationOutput, RequestStatus
+from .requests import GenerationOutput, PromptLogprobs, RequestStatus
+from .serving.scoring import ContinuationScore
 
 __all__ = [
+    "ContinuationScore",
     "ContinuousBatchingConfig",
     "ContinuousBatchingManager",
     "ContinuousMixin",
     "GenerationOutput",
+    "PromptLogprobs",
     "RequestStatus",
     "UnsupportedModelError",
     "check_model_supported",

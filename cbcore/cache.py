@@ -144,6 +144,8 @@ class PagedKVCache:
         if not self.allow_prefix_sharing or state.block_table or state.host_blocks:
             return PrefixHit((), 0, 0)
         max_blocks = (state.num_tokens - 1) // self.page_size
+        if state.next_prompt_row is not None:  # prompt logprobs still to compute: their rows must run
+            max_blocks = min(max_blocks, state.next_prompt_row // self.page_size)
         if max_blocks <= 0:
             return PrefixHit((), 0, 0)
         blocks = tuple(self.allocator.peek_prefix(state.all_tokens, max_blocks))

@@ -53,6 +53,12 @@ class PlannedRequest:
     block_table: list[int]
     emits_token: bool  # the last row reaches the end of the request's known tokens: it yields the next token
     state_slot: int | None = None  # its row of the state pool (models with stateful layers)
+    # Prompt logprobs (a request with `prompt_logprobs`): the rows at positions [score_from, score_to) score the prompt
+    # tokens after them, `score_targets` (driver only), each with its `score_top` most likely alternatives.
+    score_from: int = 0
+    score_to: int = 0
+    score_targets: list[int] = field(default_factory=list)
+    score_top: int = 0
 
     @property
     def num_tokens(self) -> int:

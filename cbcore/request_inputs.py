@@ -34,19 +34,26 @@ from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from .sampling import (
     IGNORED_KWARGS,
+    LOGPROBS_MODE_KWARG,
+    LOGPROBS_MODES,
     MAX_TOP_LOGPROBS,
     PER_REQUEST_KWARGS,
     PRIORITY_KWARG,
     SEED_KWARG,
     TOP_LOGPROBS_KWARG,
 )
+from .sampling_controls import CONTROL_KWARGS, check_controls
 
-# cbcore's per-request kwargs next to transformers' processor ones (see cbcore/sampling.py).
-_CBCORE_KWARGS = (SEED_KWARG, TOP_LOGPROBS_KWARG, PRIORITY_KWARG)
+PROMPT_LOGPROBS_KWARG = "prompt_logprobs"
+# cbcore's per-request kwargs next to transformers' processor ones (see cbcore/sampling.py and
+# cbcore/sampling_controls.py); unlike those, they need no `per_request_processors`.
+_CBCORE_KWARGS = (SEED_KWARG, TOP_LOGPROBS_KWARG, PRIORITY_KWARG, LOGPROBS_MODE_KWARG, PROMPT_LOGPROBS_KWARG,
+                  *CONTROL_KWARGS)
 # The integer per-request kwargs: (name, lowest, highest (None: no bound), the range as the error message says it).
 _INT_KWARGS = (
     (SEED_KWARG, 0, 2**63 - 1, "in [0, 2**63)"),
     (TOP_LOGPROBS_KWARG, 0, MAX_TOP_LOGPROBS, f"in [0, {MAX_TOP_LOGPROBS}]"),
+    (PROMPT_LOGPROBS_KWARG, 0, MAX_TOP_LOGPROBS, f"in [0, {MAX_TOP_LOGPROBS}]"),
     (PRIORITY_KWARG, None, None, "an int"),
     ("top_k", 0, None, ">= 0 (0 turns it off)"),
 )
@@ -165,14 +172,16 @@ def request_id(value: Any) -> str | None:
 
 
 def processor_kwargs(kwargs: dict[str, Any], per_request_processors: bool, do_sample: bool, what: str) -> dict[str, Any]:
-    """Per-request logits-processor kwargs, checked as transformers' `check_kwargs` does plus their ranges (a
-    temperature of 0 or NaN, a negative top_k used to fail every request of the step). Returns them normalised
-    (ints for top_k, floats for temperature / top_p)."""
+    """Per-request kwargs, checked as transformers' `check_kwargs` does plus their ranges (a temperature of 0 or
+    NaN, a negative top_k used to fail every request of the step). Returns them normalised (ints for top_k, floats
+    for temperature / top_p, checked sampling controls). transformers' own (temperature, top_k, top_p) need
+    `per_request_processors`, as there; cbcore's do not."""
     if not kwargs:
         return {}
-    if not per_request_processors:
+    transformers_kwargs = sorted(set(kwargs) & (set(PER_REQUEST_KWARGS) | set(IGNORED_KWARGS)))
+    if transformers_kwargs and not per_request_processors:
         raise ValueError(
-            f"{what}: logits-processor kwargs {sorted(kwargs)} need per_request_processors=True in the "
+            f"{what}: logits-processor kwargs {transformers_kwargs} need per_request_processors=True in the "
             "ContinuousBatchingConfig"
         )
     unknown = sorted(set(kwargs) - set(PER_REQUEST_KWARGS) - set(IGNORED_KWARGS) - set(_CBCORE_KWARGS))
@@ -201,8 +210,15 @@ def processor_kwargs(kwargs: dict[str, Any], per_request_processors: bool, do_sa
             allowed = "a finite number > 0" if name == "temperature" else "in [0, 1]"
             raise ValueError(f"{what}: {name} must be {allowed}, got {value}")
         normalised[name] = value
-    if not do_sample and any(key in kwargs for key in PER_REQUEST_KWARGS):
-        raise ValueError(f"{what}: per-request temperature/top_k/top_p need do_sample=True in the GenerationConfig")
+    if not do_sample and any(key in kwargs for key in (*PER_REQUEST_KWARGS, "min_p")):
+        raise ValueError(f"{what}: per-request temperature/top_k/top_p/min_p need do_sample=True in the "
+                         "GenerationConfig (greedy decoding takes the most likely token whatever they are)")
+    mode = kwargs.get(LOGPROBS_MODE_KWARG)
+    if mode is not None and mode not in LOGPROBS_MODES:
+        raise ValueError(f"{what}: {LOGPROBS_MODE_KWARG} must be one of {list(LOGPROBS_MODES)}, got {mode!r}")
+    for name in CONTROL_KWARGS:
+        normalised.pop(name, None)
+    normalised.update(check_controls(kwargs, what))
     return normalised
 
 

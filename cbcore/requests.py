@@ -46,6 +46,10 @@ class GenerationOutput:
     cbcore's addition:
         top_logprobs: for a request with the per-request kwarg `top_logprobs=n`, per generated token the (token ids,
             logprobs) of the model's n most likely tokens (raw logits; see cbcore/sampling.py); else empty.
+        logprob_mass: with `logprobs_mode="processed"`, per generated token the log of the probability mass its
+            truncating sampler (top-k, top-p, min_p) kept; else empty.
+        prompt_logprobs: with `prompt_logprobs=k`, the prompt's logprobs once its prefill is done (`PromptLogprobs`);
+            else None.
     """
 
     request_id: str
@@ -58,10 +62,26 @@ class GenerationOutput:
     lifespan: tuple[float, float] = (-1, -1)
     timestamps: list[float] | None = None
     top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    logprob_mass: list[float] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
 
     def is_finished(self) -> bool:
         """Whether the request reached a terminal state (finished, failed or cancelled)."""
         return self.status >= RequestStatus.FINISHED
+
+
+@dataclass
+class PromptLogprobs:
+    """The log-probabilities of a prompt's tokens under the model, as vLLM's `prompt_logprobs` gives them: entry i
+    is about prompt token i given the tokens before it; the first token has none (None)."""
+
+    token_logprobs: list[float | None]
+    # Per position, the (token ids, logprobs) of the k most likely tokens there; None for the first position.
+    top_logprobs: list[tuple[list[int], list[float]] | None]
+
+    def total(self, start: int = 1) -> float:
+        """The log-likelihood of prompt tokens `start`.. given what precedes them (a continuation's score)."""
+        return sum(self.token_logprobs[max(start, 1):])
 
 
 def child_request_id(parent_id: str, index: int) -> str:
@@ -90,15 +110,26 @@ class RequestState:
     record_timestamps: bool = False
     num_children: int = 0
     logit_processor_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Its sampling controls (penalties, logit_bias, min_p, min_tokens, stop_token_ids, ignore_eos, bad words),
+    # checked and without neutral values (cbcore/sampling_controls.py); empty for most requests.
+    sampling_controls: dict[str, Any] = field(default_factory=dict)
+    # prompt_logprobs=k: the logprob of every prompt token after the first, and its k most likely alternatives.
+    prompt_logprobs: int | None = None
 
     generated_tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    logprob_mass: list[float] = field(default_factory=list)
+    # With prompt_logprobs: per prompt position computed so far, the logprob of its token (None for the first) and
+    # the (token ids, logprobs) of the most likely tokens there (None for the first).
+    prompt_token_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top_logprobs: list[tuple[list[int], list[float]] | None] = field(default_factory=list)
     error: str | None = None
     created_time: float = field(default_factory=time.perf_counter)
     lifespan: tuple[float, float] = (-1, -1)
     _status: RequestStatus = RequestStatus.PENDING
     _timestamps: list[float] = field(default_factory=list)
+    _prompt_logprobs_done: PromptLogprobs | None = field(default=None, repr=False)
 
     # --- engine bookkeeping (see the module docstring) ---
     # Prompt followed by the generated tokens; the model consumes these.
@@ -125,6 +156,8 @@ class RequestState:
     max_computed_tokens: int = 0
     # Set of EOS ids (transformers ignores negative ids).
     eos_token_ids: frozenset[int] = frozenset()
+    # The ids that end the request when generated: EOS (unless the ignore_eos control) and the stop_token_ids control.
+    finish_token_ids: frozenset[int] = frozenset()
     new_tokens_limit: int = NO_TOKEN_LIMIT
     # Set by `cancel_request` (under the manager's request lock) while the request is queued and not yet taken in.
     cancel_requested: bool = False
@@ -143,6 +176,11 @@ class RequestState:
         else:
             eos = list(self.eos_token_id)
         self.eos_token_ids = frozenset(t for t in eos if t >= 0)
+        controls = self.sampling_controls
+        self.finish_token_ids = frozenset(controls.get("stop_token_ids", ())).union(
+            () if controls.get("ignore_eos", False) else self.eos_token_ids)
+        if self.prompt_logprobs is not None and not self.prompt_token_logprobs:
+            self.prompt_token_logprobs, self.prompt_top_logprobs = [None], [None]  # the first token has none
 
     @property
     def status(self) -> RequestStatus:
@@ -174,14 +212,34 @@ class RequestState:
         return len(self.all_tokens) - self.num_computed_tokens
 
     @property
+    def next_prompt_row(self) -> int | None:
+        """With `prompt_logprobs`: the first prompt position whose row's logits are still needed (entry i comes from
+        the row at position i - 1); None when none is (not asked, or every entry computed)."""
+        if self.prompt_logprobs is None or len(self.prompt_token_logprobs) >= len(self.initial_tokens):
+            return None
+        return len(self.prompt_token_logprobs) - 1
+
+    def add_prompt_logprobs(self, start: int, logprobs: list[float],
+                            tops: list[tuple[list[int], list[float]]]) -> None:
+        """Record the entries of prompt positions `start + 1` on (scored by the rows from `start`); entries already
+        held (a recomputed prefix) are kept."""
+        skip = len(self.prompt_token_logprobs) - (start + 1)
+        if skip < 0:
+            raise RuntimeError(f"request {self.request_id}: prompt logprobs from position {start + 1} but only "
+                               f"{len(self.prompt_token_logprobs)} computed")
+        self.prompt_token_logprobs.extend(logprobs[skip:])
+        self.prompt_top_logprobs.extend(tops[skip:])
+
+    @property
     def is_finished(self) -> bool:
         """Whether the request reached a terminal status."""
         return self._status >= RequestStatus.FINISHED
 
     def append_token(self, token_id: int, logprob: float | None,
-                     top_logprobs: tuple[list[int], list[float]] | None = None) -> bool:
-        """Record a generated token (with its logprob and its step's most likely alternatives, when computed);
-        return True when the request is now complete (EOS or max_new_tokens)."""
+                     top_logprobs: tuple[list[int], list[float]] | None = None, mass: float | None = None) -> bool:
+        """Record a generated token (with its logprob, its step's most likely alternatives and the log of the mass
+        its truncating sampler kept, when computed); return True when the request is now complete (EOS, a stop token
+        or max_new_tokens)."""
         if self.record_timestamps:
             self._timestamps.append(time.perf_counter())
         self.generated_tokens.append(token_id)
@@ -190,7 +248,9 @@ class RequestState:
             self.logprobs.append(logprob)
         if top_logprobs is not None:
             self.top_logprobs.append(top_logprobs)
-        return token_id in self.eos_token_ids or len(self.generated_tokens) >= self.new_tokens_limit
+        if mass is not None:
+            self.logprob_mass.append(mass)
+        return token_id in self.finish_token_ids or len(self.generated_tokens) >= self.new_tokens_limit
 
     def fork_child(self, request_id: str) -> RequestState:
         """A child for `num_return_sequences`: same prompt, settings and progress, no blocks (the cache shares them),
@@ -203,14 +263,27 @@ class RequestState:
             streaming=self.streaming,
             record_timestamps=self.record_timestamps,
             logit_processor_kwargs=dict(self.logit_processor_kwargs),
+            sampling_controls=self.sampling_controls,
+            prompt_logprobs=self.prompt_logprobs,
         )
         child.all_tokens = list(self.all_tokens)
         child.generated_tokens = list(self.generated_tokens)
         child.logprobs = list(self.logprobs)
         child.top_logprobs = list(self.top_logprobs)
+        child.logprob_mass = list(self.logprob_mass)
+        child.prompt_token_logprobs = list(self.prompt_token_logprobs)
+        child.prompt_top_logprobs = list(self.prompt_top_logprobs)
         child._status = self._status
         child.lifespan = (child.created_time, -1)
         return child
+
+    def _prompt_logprobs_output(self) -> PromptLogprobs | None:
+        """The prompt logprobs once every prompt position has them, else None."""
+        if self.prompt_logprobs is None or len(self.prompt_token_logprobs) < len(self.initial_tokens):
+            return None
+        if self._prompt_logprobs_done is None:  # built once: every later snapshot shares it (never changed again)
+            self._prompt_logprobs_done = PromptLogprobs(self.prompt_token_logprobs, self.prompt_top_logprobs)
+        return self._prompt_logprobs_done
 
     def to_generation_output(self) -> GenerationOutput:
         """A snapshot for the caller; lists are copied so later steps never change what was delivered."""
@@ -220,6 +293,8 @@ class RequestState:
             generated_tokens=list(self.generated_tokens),
             logprobs=list(self.logprobs),
             top_logprobs=list(self.top_logprobs),
+            logprob_mass=list(self.logprob_mass),
+            prompt_logprobs=self._prompt_logprobs_output(),
             error=self.error,
             status=self._status,
             created_time=self.created_time,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.generation.configuration_utils import CompileConfig
@@ -23,8 +23,44 @@ from .cache import PagedKVCache
 from .compiled_step import StepForward
 from .plan import BlockCopies, PlannedRequest, StepPlan
 from .sampling import SEED_KWARG, Sampler
+from .sampling_controls import ControlRow
 from .scheduler import ScheduledBatch, ScheduledRequest
 from .state_layers import StatePool, StateRow, StateStep
+
+
+@dataclass
+class PromptScores:
+    """Prompt logprobs from one step's rows of one request: the entries of positions `start + 1` ..."""
+
+    item: ScheduledRequest
+    start: int  # the position of the first scoring row
+    logprobs: list[float]
+    top_logprobs: list[tuple[list[int], list[float]]]
+
+
+def score_prompts(logits: torch.Tensor, plan: StepPlan, items: list[ScheduledRequest]) -> list[PromptScores]:
+    """The prompt-scoring rows' logits `[rows, vocab]` (in plan order, `prepare`) as each prompt token's logprob
+    under the model (the raw logits: no processor, penalty or temperature) and its position's most likely tokens;
+    `items` are the step's requests, in plan order.
+    The rows are at most the scheduler's prompt-scoring cap per step, so this is never a whole long prompt's
+    `[prompt, vocab]` at once."""
+    log_softmax = torch.log_softmax(logits.float(), dim=-1)
+    targets = [t for request in plan.requests for t in request.score_targets]
+    chosen = log_softmax.gather(1, torch.tensor(targets, device=logits.device).view(-1, 1)).squeeze(1).tolist()
+    widest = max(request.score_top for request in plan.requests)
+    if widest:
+        values, ids = log_softmax.topk(widest, dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+    scores, row = [], 0
+    for index, request in enumerate(plan.requests):
+        n = request.score_to - request.score_from
+        if not n:
+            continue
+        k = request.score_top
+        tops = [(ids[r][:k], values[r][:k]) if k else ([], []) for r in range(row, row + n)]
+        scores.append(PromptScores(items[index], request.score_from, chosen[row : row + n], tops))
+        row += n
+    return scores
 
 
 @dataclass
@@ -36,6 +72,10 @@ class StepResult:
     logprobs: list[float] | None
     # Per emitted row, (token ids, logprobs) of its `top_logprobs` most likely tokens; None when no row asked.
     top_logprobs: list[tuple[list[int], list[float]] | None] | None = None
+    # Per emitted row, the log of the probability mass its truncating sampler kept (logprobs_mode="processed").
+    logprob_mass: list[float | None] | None = None
+    # Prompt logprobs computed this step, per request that asked.
+    prompt_scores: list[PromptScores] = field(default_factory=list)
 
 
 def _block_table_tensor(requests: list[PlannedRequest], device: torch.device) -> torch.Tensor:
@@ -93,8 +133,10 @@ class ModelRunner:
             pool.wait_on_current_stream()  # the forward reads the blocks swapped in
 
     def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, StepMetadata, list[int], list[int]]:
-        """Build input ids, positions, the step metadata, the emitting rows and the indices (in `plan.requests`) of
-        the requests they belong to.
+        """Build input ids, positions, the step metadata, the rows whose logits are kept and the indices (in
+        `plan.requests`) of the requests whose rows emit. The kept rows are the emitting rows (one per emitting
+        request, in that order) followed by the prompt-scoring rows (`PlannedRequest.score_from` .. `score_to`, in
+        plan order; see `score_prompts`).
 
         The per-token lists are built in Python and each becomes one tensor: a step's few hundred rows cost less so
         than as a dozen small torch ops (docs/performance_log.md, 2026-12-06)."""
@@ -159,6 +201,10 @@ class ModelRunner:
             ])
         emitting = [i for i, request in enumerate(ordered) if request.emits_token]
         emit_rows = [cu_q[i + 1] - 1 for i in emitting]
+        for i, request in enumerate(ordered):  # then the rows that score a prompt (prompt_logprobs)
+            if request.score_to > request.score_from:
+                first = cu_q[i] + request.score_from - request.start
+                emit_rows.extend(range(first, first + request.score_to - request.score_from))
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=device)
         return input_ids, positions_tensor.view(1, -1), step, emit_rows, [order[i] for i in emitting]
 
@@ -166,8 +212,9 @@ class ModelRunner:
     def forward(
         self, plan: StepPlan, step_hook: Callable[[StepMetadata], StepMetadata] | None = None
     ) -> tuple[torch.Tensor | None, list[int]]:
-        """Run the model's forward over `plan`'s requests: the logits `[len(emitted), vocab]` of the emitting rows
-        (None when no row emits) and the indices in `plan.requests` of the requests they belong to. The plan's block
+        """Run the model's forward over `plan`'s requests: the logits of the kept rows (`prepare`: the emitting rows
+        `[len(emitted), vocab]`, then any prompt-scoring rows; None when no row is kept) and the indices in
+        `plan.requests` of the requests whose rows emit. The plan's block
         copies must have been issued (`copy_blocks`). `step_hook` may wrap the step metadata before the forward (the
         start-up self-check counts attention calls through it, cbcore/model_support.py)."""
         input_ids, position_ids, step, emit_rows, emitted = self.prepare(plan)
@@ -187,7 +234,7 @@ class ModelRunner:
                 f"{type(self.model).__name__} returned logits for {logits.shape[0]} rows, but cbcore asked for "
                 f"{len(rows_to_keep)} (logits_to_keep); this model is not supported"
             )
-        return (logits if emitted else None), emitted
+        return (logits if emit_rows else None), emitted
 
     @staticmethod
     def _generator_of(state) -> torch.Generator | None:
@@ -203,17 +250,27 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> StepResult:
         """Run one forward over `batch`'s plan and sample a token for every request that emits one (its block
         copies issued before, by `copy_blocks`)."""
-        logits, indices = self.forward(batch.plan())
+        plan = batch.plan()
+        logits, indices = self.forward(plan)
         emitted = [batch.requests[i] for i in indices]
+        prompt_scores = []
+        if logits is not None and logits.shape[0] > len(emitted):
+            prompt_scores = score_prompts(logits[len(emitted):], plan, batch.requests)
+            logits = logits[: len(emitted)]
         if not emitted:
-            return StepResult([], [], None)
+            return StepResult([], [], None, prompt_scores=prompt_scores)
         generators = [self._generator_of(item.state) for item in emitted]
-        tokens, logprobs, top_logprobs = self.sampler.sample(
+        controls = [ControlRow(row, item.state.sampling_controls, item.state.initial_tokens,
+                               item.state.generated_tokens, item.state.finish_token_ids)
+                    for row, item in enumerate(emitted) if item.state.sampling_controls]
+        sampled = self.sampler.sample(
             logits,
             [item.state.all_tokens for item in emitted],
             [len(item.state.initial_tokens) for item in emitted],
             [item.state.logit_processor_kwargs for item in emitted],
             [item.state.max_new_tokens for item in emitted],
             generators if any(g is not None for g in generators) else None,  # None: no per-row draw at all
+            controls or None,
         )
-        return StepResult(emitted, tokens, logprobs, top_logprobs)
+        return StepResult(emitted, sampled.tokens, sampled.logprobs, sampled.top_logprobs, sampled.logprob_mass,
+                          prompt_scores)

@@ -14,17 +14,37 @@ Log-probabilities: with `return_logprobs`, each chosen token's log-probability u
 from (the processed scores), as transformers reports them. A request carrying `top_logprobs=n` (cbcore's per-request
 kwarg, what the OpenAI server sends) gets the model's own log-probabilities instead, as vLLM's default
 (`raw_logprobs`) and OpenAI report them: of the raw logits, before any processor, temperature or top-k/top-p, for the
-chosen token and for the n most likely tokens of each step (n = 0: the chosen token's only).
+chosen token and for the n most likely tokens of each step (n = 0: the chosen token's only). With
+`logprobs_mode="processed"` they are those of the distribution the token was drawn from (after the sampling controls,
+the processors, temperature, top-k / top-p and min_p), and `logprob_mass` adds the log of the probability mass the
+truncation kept, measured before the first truncating warper: what an RL trainer needs to weigh a sample taken from a
+truncated distribution.
+
+A request's sampling controls (penalties, logit_bias, min_p, min_tokens, stop tokens, bad words) are applied to all
+the rows carrying them at once (cbcore/sampling_controls.py): before the processors, and min_p after them.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
+from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    MinPLogitsWarper,
+    TopHLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+from .sampling_controls import ControlRow, apply_before_processors, apply_min_p
 
 # (prompt_length, max_new_tokens, per-request overrides) -> the processors model.generate would use for that call.
 ProcessorFactory = Callable[[int, "int | None", dict], LogitsProcessorList]
@@ -39,6 +59,14 @@ SEED_KWARG = "seed"
 # log-probabilities of its chosen tokens and of this many most likely tokens at each step. Not a processor setting.
 TOP_LOGPROBS_KWARG = "top_logprobs"
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
+# A request's choice of logprobs (cbcore's addition, vLLM's `logprobs_mode`): "raw" (the default, the model's own) or
+# "processed" (of the distribution its token was drawn from, after penalties, temperature and truncation, with the
+# log of the probability mass the truncation kept, `GenerationOutput.logprob_mass`).
+LOGPROBS_MODE_KWARG = "logprobs_mode"
+LOGPROBS_MODES = ("raw", "processed")
+# The warpers that drop tokens (the kept mass is measured before the first of them).
+TRUNCATING_WARPERS = (TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper, EpsilonLogitsWarper,
+                      EtaLogitsWarper, TopHLogitsWarper)
 # A request's scheduling priority (cbcore's addition, vLLM's `priority`): lower is served first; read by the scheduler,
 # not by any processor.
 PRIORITY_KWARG = "priority"
@@ -78,6 +106,19 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     # Strictly below the total, so the token found has a positive probability even when u rounds up to it.
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, u, right=True).squeeze(1)
+
+
+@dataclass
+class Sampled:
+    """What the sampler picked for a step's rows: a token per row, and what was asked about it."""
+
+    tokens: list[int]
+    # Per row, the chosen token's logprob (with `return_logprobs`, or a row's `top_logprobs`); None when not computed.
+    logprobs: list[float] | None = None
+    # Per row, (token ids, logprobs) of its `top_logprobs` most likely tokens; None when no row asked.
+    top_logprobs: list[tuple[list[int], list[float]] | None] | None = None
+    # Per row, the log of the probability mass the truncation kept (rows with logprobs_mode="processed").
+    logprob_mass: list[float | None] | None = None
 
 
 class LogitsProcessorSwitch:
@@ -162,31 +203,32 @@ class Sampler:
         request_kwargs: list[dict] | None = None,
         max_new_tokens: list[int | None] | None = None,
         generators: list[torch.Generator | None] | None = None,
-    ) -> tuple[list[int], list[float] | None, list[tuple[list[int], list[float]] | None] | None]:
+        controls: list[ControlRow] | None = None,
+    ) -> Sampled:
         """Pick one token per row of `logits` `[rows, vocab]`; `histories[i]` is row i's prompt + generated tokens,
-        `prompt_lengths[i]` its prompt's length, `request_kwargs[i]` its per-request processor kwargs and
-        `max_new_tokens[i]` its token limit and `generators[i]` its own generator (a request with a `seed`), or None
-        for the sampler's shared one. Returns the tokens, their logprobs (None without `return_logprobs`) and, per
-        row, the (token ids, logprobs) of its `top_logprobs` most likely tokens (None for a row that did not ask; the
-        whole list None when no row did)."""
+        `prompt_lengths[i]` its prompt's length, `request_kwargs[i]` its per-request kwargs, `max_new_tokens[i]` its
+        token limit and `generators[i]` its own generator (a request with a `seed`), or None for the sampler's shared
+        one; `controls`: the rows carrying sampling controls (cbcore/sampling_controls.py)."""
         kwargs_per_row = request_kwargs or [{}] * len(histories)
         limits = max_new_tokens or [None] * len(histories)
-        processing = not self.switch.cleared and (self.has_processors or any(kwargs_per_row))
+        processing = not self.switch.cleared and (
+            self.has_processors or any(not PER_REQUEST_KWARGS.keys().isdisjoint(k) for k in kwargs_per_row))
         asking = [row for row, kwargs in enumerate(kwargs_per_row) if TOP_LOGPROBS_KWARG in kwargs]
+        processed = {row for row, kwargs in enumerate(kwargs_per_row)
+                     if kwargs.get(LOGPROBS_MODE_KWARG) == "processed"}
+        min_p = [item for item in controls or () if "min_p" in item.controls]
         # Greedy alone picks the same token from a bf16/fp16 row as from its fp32 widening (exact): no fp32 copy.
-        plain_greedy = not (processing or self.do_sample or self.return_logprobs or asking)
+        plain_greedy = not (processing or self.do_sample or self.return_logprobs or asking or controls)
         raw = logits if plain_greedy else logits.float()
-        scores = raw
+        scores = apply_before_processors(raw.clone(), controls) if controls else raw
+        truncated = scores  # before any truncating warper: the distribution whose kept mass is reported
         if processing:
-            rows = []
-            for row, (history, prompt_length, kwargs) in enumerate(zip(histories, prompt_lengths, kwargs_per_row)):
-                processors = self.processors_for(prompt_length, limits[row], kwargs)
-                if len(processors):
-                    input_ids = torch.tensor([history], dtype=torch.long, device=scores.device)
-                    rows.append(processors(input_ids, scores[row : row + 1]))
-                else:
-                    rows.append(scores[row : row + 1])
-            scores = torch.cat(rows, dim=0)
+            scores, truncated = self._process(scores, histories, prompt_lengths, kwargs_per_row, limits, processed)
+        if min_p:
+            thresholds = [0.0] * len(histories)
+            for item in min_p:
+                thresholds[item.row] = item.controls["min_p"]
+            scores = apply_min_p(scores, thresholds)
         if self.do_sample:
             probs = torch.softmax(scores, dim=-1).cpu()
             tokens = draw(probs, self.generator)
@@ -201,18 +243,62 @@ class Sampler:
             logprobs = log_softmax.gather(1, tokens.view(-1, 1)).squeeze(1).tolist()
         top = None
         if asking:
-            top, raw_logprobs = self._model_logprobs(raw, tokens, asking, kwargs_per_row)
+            top, chosen = self._top_logprobs(raw, scores, tokens, asking, kwargs_per_row, processed)
             if logprobs is not None:
-                for row, logprob in raw_logprobs.items():
+                for row, logprob in chosen.items():
                     logprobs[row] = logprob
-        return tokens.tolist(), logprobs, top
+        mass = self._kept_mass(truncated, scores, processed) if processed else None
+        return Sampled(tokens.tolist(), logprobs, top, mass)
+
+    def _process(self, scores: torch.Tensor, histories: list[list[int]], prompt_lengths: list[int],
+                 kwargs_per_row: list[dict], limits: list[int | None], processed: set[int]):
+        """The processors of each row applied with its own history; for the rows in `processed`, also the scores
+        before the first truncating warper (top-k, top-p, ...). Returns (scores, scores before truncation)."""
+        rows, before = [], []
+        for row, (history, prompt_length, kwargs) in enumerate(zip(histories, prompt_lengths, kwargs_per_row)):
+            processors = self.processors_for(prompt_length, limits[row], kwargs)
+            current = scores[row : row + 1]
+            if len(processors):
+                input_ids = torch.tensor([history], dtype=torch.long, device=scores.device)
+                if row in processed:
+                    cut = next((i for i, p in enumerate(processors) if isinstance(p, TRUNCATING_WARPERS)),
+                               len(processors))
+                    current = LogitsProcessorList(processors[:cut])(input_ids, current)
+                    before.append(current)
+                    current = LogitsProcessorList(processors[cut:])(input_ids, current)
+                else:
+                    current = processors(input_ids, current)
+                    before.append(current)
+            else:
+                before.append(current)
+            rows.append(current)
+        return torch.cat(rows, dim=0), (torch.cat(before, dim=0) if processed else None)
 
     @staticmethod
-    def _model_logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[int], kwargs_per_row: list[dict]):
-        """For the rows asking `top_logprobs`: their n most likely tokens with the model's own log-probabilities,
-        and the chosen token's (of the raw logits, before any processing)."""
+    def _kept_mass(truncated: torch.Tensor, scores: torch.Tensor, rows: set[int]) -> list[float | None]:
+        """Per row in `rows`: the log of the probability mass, under the distribution before truncation, of the
+        tokens the truncating warpers and min_p kept (0.0 when nothing was dropped); None for the others."""
+        index = torch.tensor(sorted(rows), dtype=torch.long, device=scores.device)
+        before = torch.log_softmax(truncated.index_select(0, index), dim=-1)
+        kept = torch.isfinite(scores.index_select(0, index))
+        values = torch.logsumexp(before.masked_fill(~kept, -math.inf), dim=-1).cpu().tolist()
+        mass: list[float | None] = [None] * scores.shape[0]
+        for row, value in zip(sorted(rows), values):
+            mass[row] = value
+        return mass
+
+    @staticmethod
+    def _top_logprobs(raw: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor, rows: list[int],
+                      kwargs_per_row: list[dict], processed: set[int]):
+        """For the rows asking `top_logprobs`: their n most likely tokens with their log-probabilities, and the
+        chosen token's: the model's own (raw logits, before any processing) or, for a row in `processed`, those of
+        the distribution it was sampled from."""
         index = torch.tensor(rows, dtype=torch.long)
-        log_softmax = torch.log_softmax(raw.index_select(0, index.to(raw.device)), dim=-1).cpu()
+        source = raw.index_select(0, index.to(raw.device))
+        if processed:
+            mine = torch.tensor([row in processed for row in rows], device=raw.device).view(-1, 1)
+            source = torch.where(mine, scores.index_select(0, index.to(raw.device)), source)
+        log_softmax = torch.log_softmax(source, dim=-1).cpu()
         chosen = log_softmax.gather(1, tokens.index_select(0, index).view(-1, 1)).squeeze(1).tolist()
         widest = max(kwargs_per_row[row][TOP_LOGPROBS_KWARG] for row in rows)
         values, ids = log_softmax.topk(widest, dim=-1)

@@ -75,8 +75,15 @@ class ScheduledBatch:
             state = item.state
             start, end = state.num_computed_tokens, state.num_computed_tokens + item.num_tokens
             tokens = state.all_tokens
-            requests.append(PlannedRequest(state.request_id, tokens[start:end], start, state.block_table[:],
-                                           end == len(tokens), state.state_slot))
+            planned = PlannedRequest(state.request_id, tokens[start:end], start, state.block_table[:],
+                                     end == len(tokens), state.state_slot)
+            first = state.next_prompt_row
+            if first is not None:  # rows that score the prompt's tokens, up to the last prompt token's (it emits)
+                low, high = max(start, first), min(end, len(state.initial_tokens) - 1)
+                if low < high:
+                    planned.score_from, planned.score_to, planned.score_top = low, high, state.prompt_logprobs
+                    planned.score_targets = tokens[low + 1 : high + 1]
+            requests.append(planned)
         return StepPlan(requests, self.copies)
 
 
@@ -137,8 +144,12 @@ class Scheduler:
         max_batch_tokens: int,
         max_requests_per_batch: int,
         safety_margin: float | None = None,
+        prompt_scoring_rows: int = 2**31 - 1,
     ) -> None:
+        """`prompt_scoring_rows`: the most prompt tokens a request with `prompt_logprobs` runs in one step (each
+        such row's logits are kept, `[rows, vocab]`: the cap bounds that memory)."""
         self.cache = cache
+        self.prompt_scoring_rows = prompt_scoring_rows
         self.order = order
         self.max_batch_tokens = max_batch_tokens
         self.max_requests_per_batch = max_requests_per_batch
@@ -205,7 +216,7 @@ class Scheduler:
                 break
             if batch.preempted and state in batch.preempted:  # preempted earlier in this loop (identity comparison)
                 continue
-            num_tokens = min(self._tokens_before_fork(state), token_budget)
+            num_tokens = self._chunk(state, min(self._tokens_before_fork(state), token_budget))
             if num_tokens == 0:  # waits for its children to be forked (next step)
                 continue
             end = state.num_computed_tokens + num_tokens
@@ -234,12 +245,13 @@ class Scheduler:
             slots = self.cache.state_slots
             if slots is not None and not slots.can_take(state):
                 break  # waits for a state slot (a running request's end frees one)
-            if not swapped and self.cache.allow_prefix_sharing and self._prefix_in_flight(state):
+            if (not swapped and self.cache.allow_prefix_sharing and state.next_prompt_row is None
+                    and self._prefix_in_flight(state)):
                 self.num_deferred_admissions += 1
                 continue
             hit_tokens = 0
             if swapped:
-                num_tokens = min(self._tokens_before_fork(state), token_budget)
+                num_tokens = self._chunk(state, min(self._tokens_before_fork(state), token_budget))
                 if not self.cache.can_grow(state, state.num_computed_tokens + num_tokens):
                     break
                 self.cache.swap_in(state, state.num_computed_tokens + num_tokens)
@@ -248,7 +260,7 @@ class Scheduler:
                 # the host tier's blocks too: each comes back into a fresh device block, which the admission reserves.
                 hit = self.cache.peek_prefix(state)
                 shared = hit.num_blocks * self.cache.page_size
-                end = shared + min(self._tokens_before_fork(state) - shared, token_budget)
+                end = shared + self._chunk(state, min(self._tokens_before_fork(state) - shared, token_budget))
                 if not self.cache.can_admit(hit, end):
                     break  # it waits at the head of the queue; the next step looks again
                 hit_tokens = self.cache.take_prefix(state, hit)
@@ -291,6 +303,12 @@ class Scheduler:
             if shared and other.num_computed_tokens < shared * page:
                 return True
         return False
+
+    def _chunk(self, state: RequestState, num_tokens: int) -> int:
+        """`num_tokens`, capped for a request still scoring its prompt (`prompt_scoring_rows`)."""
+        if state.prompt_logprobs is not None and state.next_prompt_row is not None:
+            return min(num_tokens, self.prompt_scoring_rows)
+        return num_tokens
 
     @staticmethod
     def _tokens_before_fork(state: RequestState) -> int:

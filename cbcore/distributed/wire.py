@@ -1,9 +1,10 @@
 """The wire format of what the driver sends the other ranks: a step's `StepPlan`, or its `BlockCopies`, as one flat
 list of ints carried by one int64 tensor (cbcore/distributed/channel.py broadcasts it).
 
-A plan is `[n, (num_tokens, start, num_blocks, emits) * n, tokens and block table of request 0, of request 1, ...]`.
+A plan is `[n, (num_tokens, start, num_blocks, emits, score_from, score_to) * n, tokens and block table of request 0, of request 1, ...]`.
 Request ids stay on the driver: a rank that only runs the forward needs the tokens, positions and blocks, not who
-they belong to (the driver alone samples and delivers). Copies are `[d2d pairs, d2h pairs, h2d pairs, the pairs
+they belong to (the driver alone samples and delivers); the prompt-scoring rows travel (every rank's LM head keeps
+the same rows), their target tokens do not (the driver alone turns them into logprobs). Copies are `[d2d pairs, d2h pairs, h2d pairs, the pairs
 flattened in that order]`. Every int is >= 0 (token ids are checked on entry; positions, counts and block ids are
 never negative), which lets the channel carry a payload inside a MAX-reduce.
 """
@@ -17,7 +18,7 @@ import torch
 
 from ..plan import BlockCopies, PlannedRequest, StepPlan
 
-_FIELDS = 4  # per request: num_tokens, start, num_blocks, emits_token
+_FIELDS = 6  # per request: num_tokens, start, num_blocks, emits_token, score_from, score_to
 
 
 def encode_plan(plan: StepPlan) -> torch.Tensor:
@@ -27,7 +28,8 @@ def encode_plan(plan: StepPlan) -> torch.Tensor:
     # ints through torch.tensor (bench/tp_broadcast.py).
     flat = array("q", [len(requests)])
     for request in requests:
-        flat.extend((len(request.token_ids), request.start, len(request.block_table), request.emits_token))
+        flat.extend((len(request.token_ids), request.start, len(request.block_table), request.emits_token,
+                     request.score_from, request.score_to))
     for request in requests:
         flat.extend(request.token_ids)
         flat.extend(request.block_table)
@@ -40,12 +42,12 @@ def decode_plan(data: list[int]) -> StepPlan:
     offset = 1 + _FIELDS * count
     requests = []
     for index in range(count):
-        num_tokens, start, num_blocks, emits = data[1 + _FIELDS * index : 1 + _FIELDS * (index + 1)]
+        num_tokens, start, num_blocks, emits, score_from, score_to = data[1 + _FIELDS * index : 1 + _FIELDS * (index + 1)]
         tokens = data[offset : offset + num_tokens]
         offset += num_tokens
         table = data[offset : offset + num_blocks]
         offset += num_blocks
-        requests.append(PlannedRequest("", tokens, start, table, bool(emits)))
+        requests.append(PlannedRequest("", tokens, start, table, bool(emits), score_from=score_from, score_to=score_to))
     return StepPlan(requests)
 
 

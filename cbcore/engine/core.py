@@ -34,6 +34,7 @@ from ..distributed.group import TensorParallelGroup
 from ..requests import GenerationOutput, RequestState, RequestStatus, child_request_id
 from ..compiled_step import resolve_compile_configs
 from ..runner import StepResult
+from ..sampling_controls import token_problem
 from ..sampling import LogitsProcessorSwitch, Sampler
 from ..scheduler import SCHEDULING_ORDERS, ScheduledBatch, ScheduledRequest, Scheduler
 from ..state_layers import StatePool, probe_state_specs, state_layer_modules
@@ -48,6 +49,9 @@ logger = logging.getLogger("cbcore")
 # held by its request alone and inside the cache) and the cache's invariants after it (allocator, refcounts equal to
 # the block tables). Read when an engine is built. Off by default: O(blocks) per step.
 DEBUG_ENV = "CBCORE_DEBUG"
+# The logits a step keeps for prompt logprobs, `[rows, vocab]` fp32, stay under this: a request scoring its prompt runs
+# at most that many prompt tokens per step (1365 rows of SmolLM2's 49k vocabulary, 431 of a 152k one).
+PROMPT_SCORING_BYTES = 256 * 2**20
 
 
 class EngineCore:
@@ -110,6 +114,7 @@ class EngineCore:
             max_batch_tokens=sizes.max_batch_tokens,
             max_requests_per_batch=sizes.max_requests_per_batch,
             safety_margin=cb_config.safety_margin,
+            prompt_scoring_rows=max(16, PROMPT_SCORING_BYTES // (4 * self._vocab_size)),
         )
 
         def processors_for(prompt_length: int, max_new_tokens: int | None, overrides: dict):
@@ -247,6 +252,9 @@ class EngineCore:
         bad = next((t for t in prompt if t < 0 or t >= vocab), None)
         if bad is not None:
             return f"token id {bad} is outside the vocabulary [0, {vocab})"
+        problem = token_problem(state.sampling_controls, vocab)
+        if problem is not None:
+            return problem
         capacity = self.cache.capacity_tokens
         if len(prompt) > capacity:
             return (
@@ -338,14 +346,17 @@ class EngineCore:
         self._account(batch)
         self.scheduler.on_step_done(batch)
         for result in results:
+            for scores in result.prompt_scores:
+                scores.item.state.add_prompt_logprobs(scores.start, scores.logprobs, scores.top_logprobs)
             logprobs = result.logprobs or [None] * len(result.tokens)
             tops = result.top_logprobs or [None] * len(result.tokens)
-            for item, token, logprob, top in zip(result.emitted, result.tokens, logprobs, tops):
+            masses = result.logprob_mass or [None] * len(result.tokens)
+            for item, token, logprob, top, mass in zip(result.emitted, result.tokens, logprobs, tops, masses):
                 state = item.state
                 if state.status != RequestStatus.DECODING:  # the setter stamps times: only on a change
                     state.status = RequestStatus.DECODING
                 self.counters["generated_tokens"] += 1
-                if state.append_token(token, logprob, top):
+                if state.append_token(token, logprob, top, mass):
                     outputs += self._end(state, RequestStatus.FINISHED)
                 elif state.streaming:
                     outputs.append(state.to_generation_output())

@@ -14,6 +14,8 @@ import time
 from typing import Any
 
 from .. import request_inputs
+from ..request_inputs import PROMPT_LOGPROBS_KWARG
+from ..sampling_controls import CONTROL_KWARGS
 from ..requests import RequestState
 
 # How long add_request waits for room in a full input queue (max_queue_size) before raising queue.Full, as transformers.
@@ -37,11 +39,15 @@ class RequestSubmission:
     ) -> str | None:
         """Queue a request; returns its id (`req_<n>` unless given; automatic ids skip ids in use).
 
-        `logit_processor_kwargs` (with `per_request_processors=True`): transformers' `temperature`, `top_k`,
-        `top_p`, and cbcore's `seed` (the request draws from a generator of its own), `top_logprobs=n` (per
-        generated token, the model's own log-probabilities of the chosen token and of its n most likely tokens:
-        `GenerationOutput.top_logprobs`, and `logprobs` with `return_logprobs`) and `priority` (an int, lower first:
-        see cbcore/scheduler.py).
+        `logit_processor_kwargs`: transformers' `temperature`, `top_k`, `top_p` (with `per_request_processors=True`,
+        as there), and cbcore's own, which need no such switch: `seed` (the request draws from a generator of its
+        own), `top_logprobs=n` (per generated token, the model's own log-probabilities of the chosen token and of its
+        n most likely tokens: `GenerationOutput.top_logprobs`, and `logprobs` with `return_logprobs`),
+        `logprobs_mode` ("raw" or "processed", cbcore/sampling.py), `prompt_logprobs=k` (the prompt's tokens'
+        logprobs and k alternatives: `GenerationOutput.prompt_logprobs`), `priority` (an int, lower first: see
+        cbcore/scheduler.py), and the sampling controls `repetition_penalty`, `frequency_penalty`,
+        `presence_penalty`, `logit_bias`, `min_p`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `bad_words_ids`
+        (vLLM's semantics: cbcore/sampling_controls.py).
 
         Raised here, before anything is queued, naming the argument: a wrong type (`TypeError`: token ids that are
         not ints, `max_new_tokens="5"` or `2.5`, a non-str `request_id`, a `streaming` or `record_timestamps` other
@@ -151,9 +157,17 @@ class RequestSubmission:
         eos_token_id: int | list[int] | None,
         kwargs: dict[str, Any],
     ) -> RequestState:
-        """A request not yet queued; an automatic id is given when it is registered."""
+        """A request not yet queued; an automatic id is given when it is registered. `kwargs` were checked by
+        `request_inputs.processor_kwargs`: the sampling controls and `prompt_logprobs` are split out of them."""
         if max_new_tokens is None:
             max_new_tokens = self.generation_config.max_new_tokens
+        kwargs = dict(kwargs)
+        controls = {name: kwargs.pop(name) for name in CONTROL_KWARGS if name in kwargs}
+        prompt_logprobs = kwargs.pop(PROMPT_LOGPROBS_KWARG, None)
+        min_tokens = controls.get("min_tokens", 0)
+        if max_new_tokens is not None and min_tokens > max_new_tokens:
+            raise ValueError(f"request {request_id or '(new)'}: min_tokens={min_tokens} is more than "
+                             f"max_new_tokens={max_new_tokens}")
         return RequestState(
             request_id=request_id or "",
             initial_tokens=prompt,
@@ -163,6 +177,8 @@ class RequestSubmission:
             record_timestamps=record_timestamps,
             num_children=self.num_return_sequences - 1,
             logit_processor_kwargs=kwargs,
+            sampling_controls=controls,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _check_accepting(self) -> None:
