@@ -22,6 +22,8 @@ fi
 "$PY" -m pip install -q gguf accelerate
 # TRL (with datasets), for the test of GRPO rollouts served by cbcore; the pins keep torch and transformers as above.
 "$PY" -m pip install -q trl==1.16.0 "transformers==$TRANSFORMERS" "torch==2.14.1"
+# lm-evaluation-harness (with its API models' extra), for the test that scores a task through `cbcore serve`.
+"$PY" -m pip install -q "lm-eval[api]==0.4.13" "transformers==$TRANSFORMERS" "torch==2.14.1"
 # transformers 5.25 needs the `kernels` package (and its tomlkit) besides what 5.24 needs; the rest it shares.
 if [ ! -d "$OVERLAY/transformers" ]; then
     "$PY" -m pip install -q --no-deps --target "$OVERLAY" "transformers==$OTHER_TRANSFORMERS" "kernels==0.19.1" tomlkit

@@ -31,6 +31,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds SIGINT/SIGTERM waits for requests in flight before cancelling them (default 30)")
     srv.add_argument("--seed", type=int, help="seed of the engine's one sampling generator (server-wide)")
+    srv.add_argument("--logprobs-mode", default="raw", choices=("raw", "processed"),
+                     help="logprobs a request gets unless it sends 'logprobs_mode': raw (the model's own, as OpenAI "
+                     "and vLLM report them) or processed (of the distribution sampled from, after penalties, "
+                     "temperature and truncation); default raw")
     srv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     add_engine_arguments(p)
     p.set_defaults(handler=run_serve)

@@ -55,6 +55,7 @@ class ServerState:
     max_queue_size: int  # choices waiting for their first token; 0: unbounded
     api_key: str | None = None
     on_engine_death: Callable[[str], None] | None = None
+    logprobs_mode: str = "raw"  # a request's unless it sends its own (--logprobs-mode)
     dead_reason: str | None = None
     stopping: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
@@ -251,9 +252,25 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
+def _bad_word_ids(state: ServerState, words: list[str]) -> list[list[int]]:
+    """Each bad word's token ids as the tokenizer encodes it alone and after a space (mid-text, most tokenizers
+    fold the space into the word's first token), as vLLM tokenizes `bad_words`."""
+    sequences: list[list[int]] = []
+    for word in words:
+        for text in (word, " " + word):
+            ids = list(state.tokenizer(text, add_special_tokens=False)["input_ids"])
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return sequences
+
+
 async def _serve(request: Request, state: ServerState, metrics: ServerMetrics, kind: str,
                  prompts: list[list[int]], params: SamplingParams, stream: bool, include_usage: bool):
     params = _fit(state, prompts, params)
+    if params.bad_words:
+        params.controls["bad_words_ids"] = _bad_word_ids(state, params.bad_words)
+    if params.logprobs_mode is None and state.logprobs_mode != "raw":
+        params.logprobs_mode = state.logprobs_mode
     # Requests still in the manager's input queue count too (a cancelled one stays there until the loop takes it):
     # with room for all of this request's choices, add_request never waits on a full queue, which would block the
     # event loop.

@@ -60,7 +60,8 @@ class Field:
 
 H, N, D, R = Treatment.HONOURED, Treatment.NO_OP, Treatment.DEFAULT_ONLY, Treatment.REFUSED
 _CMPL, _CHAT = frozenset({COMPLETIONS}), frozenset({CHAT})
-_SAMPLING = "cbcore samples with temperature, top_p and top_k only"
+_SAMPLING = ("cbcore samples with temperature, top_p, top_k, min_p, the penalties, logit_bias and bad_words, and no "
+             "other logits processor")
 _GUIDED = "cbcore has no constrained (guided) decoding, so the text would not follow the constraint"
 _TOOLS = "cbcore has no tool calling"
 _ONE_ENGINE = "cbcore serves one engine on one machine, with no KV transfer or routing between engines"
@@ -80,14 +81,14 @@ _ROWS = (
     Field("seed", H),
     Field("logprobs", H),
     Field("user", H, why="checked to be a string; an end-user id for the provider's abuse monitoring"),
-    Field("presence_penalty", D, accepted=(0,), why=_SAMPLING),
-    Field("frequency_penalty", D, accepted=(0,), why=_SAMPLING),
-    Field("logit_bias", D, accepted=({},), why=_SAMPLING),
+    Field("presence_penalty", H),
+    Field("frequency_penalty", H),
+    Field("logit_bias", H),
     Field("response_format", D, accepted=({"type": "text"},), why=_GUIDED),
     # ---- OpenAI: completions
     Field("prompt", H, _CMPL),
     Field("best_of", D, _CMPL, accepted=(1,), same_as="n", why="cbcore returns every sample it draws (best_of = n)"),
-    Field("echo", D, _CMPL, accepted=(False,), why="the response holds the generated text only, not the prompt"),
+    Field("echo", H, _CMPL),
     Field("suffix", D, _CMPL, accepted=("",), why="cbcore has no fill-in-the-middle"),
     # ---- OpenAI: chat
     Field("messages", H, _CHAT),
@@ -114,25 +115,27 @@ _ROWS = (
     Field("top_k", H),
     Field("priority", H),
     Field("return_tokens_as_token_ids", H),
-    Field("min_p", D, accepted=(0,), why=_SAMPLING),
-    Field("repetition_penalty", D, accepted=(1,), why=_SAMPLING),
+    Field("min_p", H),
+    Field("repetition_penalty", H),
     Field("use_beam_search", D, accepted=(False,), why="cbcore samples; it has no beam search"),
     Field("length_penalty", D, accepted=(1,), why="it scores beams, and cbcore has no beam search"),
-    Field("stop_token_ids", D, accepted=([],), why="a choice stops at the model's EOS tokens and the `stop` strings"),
+    Field("stop_token_ids", H),
     Field("include_stop_str_in_output", D, accepted=(False,), why=_TEXT),
-    Field("ignore_eos", D, accepted=(False,), why="a choice always stops at the model's EOS tokens"),
-    Field("min_tokens", D, accepted=(0,), why="EOS is never masked, so a choice may end at any step"),
+    Field("ignore_eos", H),
+    Field("min_tokens", H),
     Field("skip_special_tokens", D, accepted=(True,), why=_TEXT),
     Field("spaces_between_special_tokens", D, accepted=(True,), why=_TEXT),
     Field("truncate_prompt_tokens", R, why="a prompt is never truncated: one longer than the context is a 400"),
     Field("truncation_side", R, why="a prompt is never truncated: one longer than the context is a 400"),
     Field("allowed_token_ids", R, why=_SAMPLING),
-    Field("bad_words", D, accepted=([],), why=_SAMPLING),
+    Field("bad_words", H),
+    # cbcore's own (vLLM sets it per server): "raw" or "processed" logprobs for this request.
+    Field("logprobs_mode", H),
     Field("logits_processors", R, why=_SAMPLING),
     Field("watermarking", D, accepted=(False,), why="cbcore does not watermark its text"),
     Field("repetition_detection", R, why="a choice ends at EOS, max_tokens or a stop string only"),
     Field("thinking_token_budget", R, why="cbcore does not count or limit reasoning tokens"),
-    Field("prompt_logprobs", R, why="logprobs are given for the generated tokens only"),
+    Field("prompt_logprobs", R, why="a prompt's logprobs come with 'echo' and 'logprobs' on /v1/completions"),
     Field("logprob_token_ids", R, why="logprobs are those of the chosen and the most likely tokens only"),
     Field("return_token_ids", D, accepted=(False,), why="the response carries text (and logprobs), not token ids"),
     Field("return_prompt_text", D, accepted=(False,), why="the response does not repeat the prompt"),

@@ -66,6 +66,7 @@ class _Choice:
         self.started = False  # first token seen
         self.num_tokens = 0  # generated tokens accounted for (usage)
         self.tokens_sent = 0  # tokens whose logprobs went out in a delta
+        self.echoed = False  # the prompt went out (echo)
         self.added_at = time.perf_counter()
         self.last_token_at = self.added_at
 
@@ -81,7 +82,10 @@ class Generation:
         self.response_id = response_id
         self.prompts = prompts
         self.params = params
-        self.eos_token_ids = eos_token_ids
+        # What ends a choice with finish_reason "stop" (else "length"): EOS unless ignore_eos, and stop_token_ids.
+        controls = params.controls
+        self.finish_token_ids = set(controls.get("stop_token_ids", ())) | (
+            set() if controls.get("ignore_eos") else eos_token_ids)
         self.choices: list[_Choice] = []
         self._events: asyncio.Queue[tuple[_Choice, GenerationOutput] | None] = asyncio.Queue()
         self.prompt_tokens = sum(len(p) for p in prompts)
@@ -171,7 +175,8 @@ class Generation:
                 yield delta
 
     def _advance(self, choice: _Choice, output: GenerationOutput) -> Delta | None:
-        tokens = output.generated_tokens
+        # Scoring alone (max_tokens 0): the one token the prompt's last row yields is dropped.
+        tokens = [] if self.params.score_only else output.generated_tokens
         self._observe_latency(choice, len(tokens))
         if output.status == RequestStatus.FAILED or output.status == RequestStatus.CANCELLED:
             self._end(choice)
@@ -188,7 +193,7 @@ class Generation:
             if not finished:
                 self.manager.cancel_request(choice.request_id)  # its blocks are freed at the loop's next iteration
         elif finished:
-            finish_reason = "stop" if tokens and tokens[-1] in self.eos_token_ids else "length"
+            finish_reason = "stop" if tokens and tokens[-1] in self.finish_token_ids else "length"
         released = choice.stop.release(final=finish_reason is not None)
         if finish_reason is not None:
             self._end(choice)
@@ -199,7 +204,26 @@ class Generation:
         new_top = list(output.top_logprobs[choice.tokens_sent : len(tokens)]) if self.params.top_logprobs else []
         choice.tokens_sent = len(tokens)
         self.metrics.generated_tokens.inc(len(new_tokens))
-        return Delta(choice.index, released, list(new_tokens), new_logprobs, new_top, finish_reason)
+        delta = Delta(choice.index, released, list(new_tokens), new_logprobs, new_top, finish_reason)
+        if self.params.echo and not choice.echoed:
+            self._echo(choice, output, delta)
+        return delta
+
+    def _echo(self, choice: _Choice, output: GenerationOutput, delta: Delta) -> None:
+        """Put the prompt before the choice's first delta: its text, and with logprobs its tokens with their
+        logprobs under the model (the first token has none: null, as OpenAI's and vLLM's echo)."""
+        choice.echoed = True
+        prompt = self.prompts[choice.prompt_index]
+        delta.text = self.tokenizer.decode(prompt, skip_special_tokens=True) + delta.text
+        if not self.params.logprobs:
+            return
+        scored = output.prompt_logprobs
+        if scored is None:  # cannot happen: the engine ends prefill (and scoring) before any output with tokens
+            raise RuntimeError(f"request {choice.request_id}: echo with logprobs, but no prompt logprobs came back")
+        delta.token_ids = list(prompt) + delta.token_ids
+        delta.logprobs = list(scored.token_logprobs) + delta.logprobs
+        if self.params.top_logprobs:
+            delta.top_logprobs = list(scored.top_logprobs) + delta.top_logprobs
 
     def _observe_latency(self, choice: _Choice, num_tokens: int) -> None:
         new = num_tokens - choice.num_tokens

@@ -26,6 +26,8 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...sampling import LOGPROBS_MODES
+from ...sampling_controls import check_controls
 from .fields import CHAT, COMPLETIONS, refusal
 
 # OpenAI caps `stop` at 4 sequences; `n` and `top_logprobs` at 128 and 20.
@@ -71,6 +73,12 @@ class SamplingParams:
     seed: int | None = None  # choice i draws from its own generator seeded with seed + i
     priority: int = 0  # lower is scheduled first
     tokens_as_ids: bool = False  # vLLM's `return_tokens_as_token_ids`: logprob tokens as "token_id:<id>"
+    # The sampling controls (cbcore/sampling_controls.py), checked; `bad_words` are text, tokenized by the app.
+    controls: dict[str, Any] = field(default_factory=dict)
+    bad_words: list[str] = field(default_factory=list)
+    logprobs_mode: str | None = None  # None: the server's (--logprobs-mode)
+    echo: bool = False  # completions: the prompt (and its logprobs) before the generated text
+    score_only: bool = False  # max_tokens=0 with echo: the prompt's logprobs only, nothing generated
 
     @property
     def greedy(self) -> bool:
@@ -83,9 +91,14 @@ class SamplingParams:
         the sampler's draw then picks with probability 1, exactly the argmax (ties aside, as argmax would take the
         first). Temperature and top_p do not change which logit is largest, so they are left out. `top_logprobs`
         (with logprobs: the model's own) and `priority` are cbcore's kwargs, not processor settings."""
-        extra = {"top_logprobs": self.top_logprobs} if self.logprobs else {}
+        extra: dict[str, Any] = {"top_logprobs": self.top_logprobs} if self.logprobs else {}
         if self.priority:
             extra["priority"] = self.priority
+        extra.update(self.controls)
+        if self.logprobs_mode is not None:
+            extra["logprobs_mode"] = self.logprobs_mode
+        if self.echo and self.logprobs:  # the prompt's logprobs (and as many alternatives) come first
+            extra["prompt_logprobs"] = self.top_logprobs
         if self.greedy:
             return {"top_k": 1, **extra}
         # Only what differs from the manager's own config (temperature 1, top_p 1, no top_k): a step whose rows all
@@ -227,8 +240,58 @@ def _sampling(body: dict, max_tokens: int | None, logprobs: bool, top_logprobs: 
         top_logprobs=top_logprobs,
         seed=_int_field(body, "seed", 0, 2**62),
         priority=_int_field(body, "priority", -(2**31), 2**31 - 1) or 0,
+        controls=_controls(body),
+        bad_words=_bad_words(body),
+        logprobs_mode=_logprobs_mode(body),
     )
     return params
+
+
+# The request fields that are sampling controls, under the names cbcore/sampling_controls.py uses.
+_CONTROL_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
+                   "stop_token_ids", "ignore_eos")
+
+
+def _controls(body: dict) -> dict[str, Any]:
+    """The sampling controls the body sets, checked one field at a time (so a 400 names the field). `logit_bias`
+    keys are token ids written as JSON strings, as OpenAI's API sends them."""
+    controls: dict[str, Any] = {}
+    for name in _CONTROL_FIELDS:
+        value = body.get(name)
+        if value is None:
+            continue
+        if name == "logit_bias":
+            if not isinstance(value, dict):
+                raise ProtocolError("'logit_bias' must be an object {token id: bias}", param=name, code="invalid_type")
+            try:
+                value = {int(token): bias for token, bias in value.items()}
+            except ValueError:
+                raise ProtocolError("'logit_bias' keys must be token ids (integers written as strings)", param=name,
+                                    code="invalid_value") from None
+        try:
+            controls.update(check_controls({name: value}, "request"))
+        except TypeError as error:
+            raise ProtocolError(f"'{name}': {error}", param=name, code="invalid_type") from error
+        except ValueError as error:
+            raise ProtocolError(f"'{name}': {error}", param=name, code="invalid_value") from error
+    return controls
+
+
+def _bad_words(body: dict) -> list[str]:
+    value = body.get("bad_words")
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(word, str) and word for word in value):
+        raise ProtocolError("'bad_words' must be a list of non-empty strings", param="bad_words", code="invalid_type")
+    return value
+
+
+def _logprobs_mode(body: dict) -> str | None:
+    value = body.get("logprobs_mode")
+    if value is not None and value not in LOGPROBS_MODES:
+        raise ProtocolError(f"'logprobs_mode' must be one of {list(LOGPROBS_MODES)}, got {value!r}",
+                            param="logprobs_mode", code="invalid_value")
+    return value
 
 
 def _body(body: Any) -> dict:
@@ -248,14 +311,21 @@ def parse_completion(body: Any) -> CompletionRequest:
     _refuse_unsupported(body, COMPLETIONS)
     prompts = _prompts(body.get("prompt"))
     logprobs = _int_field(body, "logprobs", 0, 5)
-    max_tokens = _int_field(body, "max_tokens", 1)
+    echo = _bool_field(body, "echo")
+    max_tokens = _int_field(body, "max_tokens", 0)
+    if max_tokens == 0 and not echo:
+        raise ProtocolError("'max_tokens' must be >= 1 (0 only with 'echo': the prompt's logprobs alone)",
+                            param="max_tokens", code="invalid_value")
     stream = _bool_field(body, "stream")
     _user(body)
+    # OpenAI's default max_tokens: 16. Scoring alone (max_tokens 0) runs the prompt and drops the one token it yields.
+    params = _sampling(body, 16 if max_tokens is None else max(max_tokens, 1), logprobs is not None, logprobs or 0)
+    params.echo = echo
+    params.score_only = max_tokens == 0
     return CompletionRequest(
         model=_model(body),
         prompts=prompts,
-        # OpenAI's default max_tokens: 16
-        params=_sampling(body, 16 if max_tokens is None else max_tokens, logprobs is not None, logprobs or 0),
+        params=params,
         stream=stream,
         include_usage=_stream_options(body, stream),
     )

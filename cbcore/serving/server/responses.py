@@ -69,8 +69,9 @@ class ResponseBuilder:
         if not self.logprobs:
             return None
         texts = [self._text(t) for t in token_ids]
+        # An echoed prompt's first token has no logprob and no alternatives (None).
         alternatives = [
-            [(self._text(t), lp) for t, lp in zip(ids, values)] for ids, values in (top or [])
+            None if entry is None else [(self._text(t), lp) for t, lp in zip(*entry)] for entry in (top or [])
         ] or [None] * len(texts)
         if self.kind == "chat":
             return {"content": [
@@ -82,7 +83,7 @@ class ResponseBuilder:
         for text in texts:
             offsets.append(offset)
             offset += len(text)
-        top_logprobs = [dict(alts) for alts in alternatives] if top else None
+        top_logprobs = [None if alts is None else dict(alts) for alts in alternatives] if top else None
         return {"tokens": texts, "token_logprobs": list(logprobs), "top_logprobs": top_logprobs,
                 "text_offset": offsets}
 
