@@ -130,6 +130,11 @@ MANAGER_METHODS = {
         valid=lambda served: dict(inputs=[[1, 2, 3]], max_new_tokens=2, streaming=False, record_timestamps=False),
         accepts={"max_new_tokens": NONE | INT},
     ),
+    "score": Method(
+        call=lambda served, **kw: served.manager.score(**kw),
+        valid=lambda served: dict(prompts=[[1, 2, 3]], continuations=[[4]], timeout=WAIT_S),
+        accepts={"timeout": NONE | INT | FLOAT},
+    ),
     "cancel_request": Method(
         call=lambda served, **kw: served.manager.cancel_request(**kw),
         valid=lambda served: dict(request_id="no_such_request"),
