@@ -178,7 +178,7 @@ def processor_kwargs(kwargs: dict[str, Any], per_request_processors: bool, do_sa
     `per_request_processors`, as there; cbcore's do not."""
     if not kwargs:
         return {}
-    transformers_kwargs = sorted(set(kwargs) & (set(PER_REQUEST_KWARGS) | set(IGNORED_KWARGS)))
+    transformers_kwargs = sorted(set(kwargs) - set(_CBCORE_KWARGS))  # transformers' own, or unknown
     if transformers_kwargs and not per_request_processors:
         raise ValueError(
             f"{what}: logits-processor kwargs {transformers_kwargs} need per_request_processors=True in the "

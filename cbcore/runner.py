@@ -200,13 +200,17 @@ class ModelRunner:
                 for i, request in enumerate(ordered)
             ])
         emitting = [i for i, request in enumerate(ordered) if request.emits_token]
-        emit_rows = [cu_q[i + 1] - 1 for i in emitting]
-        for i, request in enumerate(ordered):  # then the rows that score a prompt (prompt_logprobs)
-            if request.score_to > request.score_from:
-                first = cu_q[i] + request.score_from - request.start
-                emit_rows.extend(range(first, first + request.score_to - request.score_from))
+        kept_rows = [cu_q[i + 1] - 1 for i in emitting]
+        # Then the rows that score a prompt (prompt_logprobs), in plan order as `score_prompts` reads them (a one-token
+        # chunk packs among the decode rows, so the packing order may differ).
+        scoring = [index for index, request in enumerate(requests) if request.score_to > request.score_from]
+        packed_at = {index: position for position, index in enumerate(order)} if scoring else {}
+        for index in scoring:
+            request = requests[index]
+            first = cu_q[packed_at[index]] + request.score_from - request.start
+            kept_rows.extend(range(first, first + request.score_to - request.score_from))
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=device)
-        return input_ids, positions_tensor.view(1, -1), step, emit_rows, [order[i] for i in emitting]
+        return input_ids, positions_tensor.view(1, -1), step, kept_rows, [order[i] for i in emitting]
 
     @torch.inference_mode()
     def forward(
@@ -217,11 +221,11 @@ class ModelRunner:
         `plan.requests` of the requests whose rows emit. The plan's block
         copies must have been issued (`copy_blocks`). `step_hook` may wrap the step metadata before the forward (the
         start-up self-check counts attention calls through it, cbcore/model_support.py)."""
-        input_ids, position_ids, step, emit_rows, emitted = self.prepare(plan)
+        input_ids, position_ids, step, kept_rows, emitted = self.prepare(plan)
         if step_hook is not None:
             step = step_hook(step)
         # logits_to_keep needs at least one row; a step of mid-prompt chunks keeps the last row and discards it.
-        rows_to_keep = emit_rows if emit_rows else [input_ids.shape[1] - 1]
+        rows_to_keep = kept_rows if kept_rows else [input_ids.shape[1] - 1]
         rows = torch.tensor(rows_to_keep, dtype=torch.long, device=self.device)
         with paged_step(step):
             logits = self.step_forward(input_ids, position_ids, rows, step, decode_only=not step.num_prefill_requests)
@@ -234,7 +238,7 @@ class ModelRunner:
                 f"{type(self.model).__name__} returned logits for {logits.shape[0]} rows, but cbcore asked for "
                 f"{len(rows_to_keep)} (logits_to_keep); this model is not supported"
             )
-        return (logits if emit_rows else None), emitted
+        return (logits if kept_rows else None), emitted
 
     @staticmethod
     def _generator_of(state) -> torch.Generator | None:

@@ -54,13 +54,14 @@ from .batch_processor_view import BatchProcessorView
 from .generation_config import prepare_generation_config
 from .generation_loop import BackgroundThreadStatus, GenerationLoop, StopMode
 from .request_registry import RequestRegistry
+from .rollout import RolloutControl
 from .scoring import ContinuationScoring
 from .submission import RequestSubmission
 
 logger = logging.getLogger("cbcore")
 
 
-class ContinuousBatchingManager(RequestSubmission, ContinuationScoring, GenerationLoop):
+class ContinuousBatchingManager(RequestSubmission, ContinuationScoring, RolloutControl, GenerationLoop):
     """Serves generation requests with continuous batching on a background thread.
 
     Create it directly or through `model.init_continuous_batching()` after `cbcore.enable(model)`:

@@ -72,6 +72,11 @@ class RequestRegistry:
         with self.lock:
             self._in_flight.discard(request_id)
 
+    def in_flight_ids(self) -> set[str]:
+        """A copy of the ids in flight now (children included). Takes the lock itself."""
+        with self.lock:
+            return set(self._in_flight)
+
     def _family_in_flight(self, request_id: str, num_children: int) -> bool:
         return any(rid in self._in_flight for rid in _family_ids(request_id, num_children))
 
