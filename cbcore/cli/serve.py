@@ -35,6 +35,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                      help="logprobs a request gets unless it sends 'logprobs_mode': raw (the model's own, as OpenAI "
                      "and vLLM report them) or processed (of the distribution sampled from, after penalties, "
                      "temperature and truncation); default raw")
+    srv.add_argument("--enable-rollout-routes", action="store_true",
+                     help="serve the routes an RL trainer calls between rollout phases (vLLM's /pause, /resume, "
+                     "/update_weights, /init_weight_transfer_engine, /reset_prefix_cache, /sleep, /wake_up; SGLang's "
+                     "/update_weights_from_disk); off by default, behind --api-key like every route")
     srv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     add_engine_arguments(p)
     p.set_defaults(handler=run_serve)

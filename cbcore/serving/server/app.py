@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .generation import EngineUnavailable, Generation
 from .metrics import ServerMetrics
 from .protocol import ProtocolError, SamplingParams, parse_chat, parse_completion
+from .rollout_routes import add_rollout_routes
 from .responses import ChoiceText, ResponseBuilder, sse
 
 logger = logging.getLogger("cbcore.serve")
@@ -56,6 +57,8 @@ class ServerState:
     api_key: str | None = None
     on_engine_death: Callable[[str], None] | None = None
     logprobs_mode: str = "raw"  # a request's unless it sends its own (--logprobs-mode)
+    rollout_routes: bool = False  # --enable-rollout-routes (cbcore/serving/server/rollout_routes.py)
+    sleeping: bool = False  # between /sleep and /wake_up: the engine is freed on purpose, not dead
     dead_reason: str | None = None
     stopping: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
@@ -120,6 +123,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if state.sleeping:
+            return {"status": "sleeping"}
         if state.dead_reason is not None or not state.manager.is_running():
             return _error(503, f"the engine is not serving: {state.dead_reason or 'stopped'}", "server_error",
                           code="engine_unavailable")
@@ -152,6 +157,8 @@ def create_app(state: ServerState) -> FastAPI:
         return await _serve(request, state, metrics, "chat", [prompt], parsed.params, parsed.stream,
                             parsed.include_usage)
 
+    if state.rollout_routes:
+        add_rollout_routes(app, state)
     return app
 
 
@@ -231,6 +238,8 @@ def _fit(state: ServerState, prompts: list[list[int]], params: SamplingParams) -
 
 
 def _check_capacity(state: ServerState, generation_size: int, waiting: float) -> None:
+    if state.sleeping:
+        raise EngineUnavailable("the engine is asleep (POST /sleep); POST /wake_up first")
     if state.dead_reason is not None or state.stopping or not state.manager.is_running():
         raise EngineUnavailable(state.dead_reason or "the server is shutting down")
     if state.max_queue_size <= 0:
@@ -371,7 +380,7 @@ async def _watch_engine(state: ServerState) -> None:
     """Notice the engine loop's death: answer 503 from then on and let the launcher exit non-zero."""
     while True:
         await asyncio.sleep(_WATCHDOG_PERIOD_S)
-        if state.stopping or state.dead_reason is not None:
+        if state.stopping or state.dead_reason is not None or state.sleeping:
             continue
         if not state.manager.is_running():
             fatal = state.manager.background_thread_status.fatal_error

@@ -113,6 +113,7 @@ def serve(args: argparse.Namespace, stderr: TextIO) -> int:
             vocab_size=int(model.get_output_embeddings().weight.shape[0]), max_queue_size=args.max_queue_size,
             api_key=args.api_key, on_engine_death=on_engine_death,
             logprobs_mode=getattr(args, "logprobs_mode", "raw"),
+            rollout_routes=getattr(args, "enable_rollout_routes", False),
         )
         app = create_app(state)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
