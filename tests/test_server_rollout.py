@@ -23,7 +23,7 @@ KEY = {"Authorization": "Bearer rl-key"}
 
 @pytest.fixture(scope="module")
 def rollout_server(model_dir):
-    srv = Server(model_dir, "--enable-rollout-routes", "--api-key", "rl-key")
+    srv = Server(model_dir, "--enable-rollout-routes", "--api-key", "rl-key", "--logprobs-mode", "processed")
     try:
         yield srv
     finally:
@@ -130,3 +130,13 @@ def test_weights_from_disk_and_sleep_then_wake(rollout_server, reference_model, 
     assert httpx.get(rollout_server.url + "/health", timeout=10).status_code == 200
     _post(rollout_server, "/wake_up")
     assert _greedy(rollout_server, prompt) == _reference(trained, prompt)
+
+
+def test_the_servers_logprobs_mode_applies_unless_a_request_sends_its_own(rollout_server, tokenizer) -> None:
+    """`--logprobs-mode processed`: a greedy choice was drawn from a one-token distribution (logprob 0); a request
+    asking `raw` gets the model's own."""
+    body = {"prompt": tokenizer("Good morning")["input_ids"], "max_tokens": 3, "temperature": 0, "logprobs": 0}
+    processed = _post(rollout_server, "/v1/completions", json=body)["choices"][0]["logprobs"]["token_logprobs"]
+    raw = _post(rollout_server, "/v1/completions", json={**body, "logprobs_mode": "raw"})["choices"][0]
+    assert processed == [0.0, 0.0, 0.0]
+    assert all(lp < 0 for lp in raw["logprobs"]["token_logprobs"])

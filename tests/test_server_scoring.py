@@ -148,3 +148,12 @@ def test_lm_eval_local_completions_equals_its_hf_backend(server, model_dir, tmp_
     in_process = loglikelihoods("hf", f"pretrained={model_dir},dtype=float32,device=cpu")
     assert len(served) == len(in_process) == sum(len(item["choices"]) for item in items)
     assert served == pytest.approx(in_process, abs=1e-4)
+
+
+def test_min_p_through_the_server_drops_the_unlikely_tokens(client) -> None:
+    """Processed logprobs under min_p 0.3: every alternative left is at least 0.3 times as likely as the best."""
+    response = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=1.0, seed=2,
+                                         logprobs=5, extra_body={"min_p": 0.3, "logprobs_mode": "processed"})
+    for alternatives in response.choices[0].logprobs.top_logprobs:
+        finite = [v for v in alternatives.values() if v > -9999.0]
+        assert finite and min(finite) >= max(finite) + math.log(0.3) - 1e-5

@@ -18,6 +18,15 @@ from typing import Any
 from .detokenizer import IncrementalDetokenizer
 
 
+# What a logprob of -inf (a token the processed distribution dropped) is sent as: JSON has no infinity, and vLLM
+# sends this value.
+NEG_INF_LOGPROB = -9999.0
+
+
+def _json_number(logprob: float | None) -> float | None:
+    return NEG_INF_LOGPROB if logprob is not None and logprob == float("-inf") else logprob
+
+
 def new_id(kind: str) -> str:
     """`cmpl-<hex>` for completions, `chatcmpl-<hex>` for chat, as OpenAI names them."""
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
@@ -69,9 +78,11 @@ class ResponseBuilder:
         if not self.logprobs:
             return None
         texts = [self._text(t) for t in token_ids]
+        logprobs = [_json_number(lp) for lp in logprobs]
         # An echoed prompt's first token has no logprob and no alternatives (None).
         alternatives = [
-            None if entry is None else [(self._text(t), lp) for t, lp in zip(*entry)] for entry in (top or [])
+            None if entry is None else [(self._text(t), _json_number(lp)) for t, lp in zip(*entry)]
+            for entry in (top or [])
         ] or [None] * len(texts)
         if self.kind == "chat":
             return {"content": [
