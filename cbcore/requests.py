@@ -79,10 +79,6 @@ class PromptLogprobs:
     # Per position, the (token ids, logprobs) of the k most likely tokens there; None for the first position.
     top_logprobs: list[tuple[list[int], list[float]] | None]
 
-    def total(self, start: int = 1) -> float:
-        """The log-likelihood of prompt tokens `start`.. given what precedes them (a continuation's score)."""
-        return sum(self.token_logprobs[max(start, 1):])
-
 
 def child_request_id(parent_id: str, index: int) -> str:
     """The id of a parent's `index`-th child for `num_return_sequences`, as transformers names it."""

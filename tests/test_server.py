@@ -390,6 +390,7 @@ def test_logprobs_match_a_forward_of_the_model(client, reference_model) -> None:
         ("/v1/completions", {"prompt": [999_999]}, "prompt"),
         ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
         ("/v1/completions", {"prompt": "x", "logit_bias": {"x": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**7]}, "stop_token_ids"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0, "echo": False}, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),

@@ -32,11 +32,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ...sampling_controls import token_problem
 from .generation import EngineUnavailable, Generation
 from .metrics import ServerMetrics
 from .protocol import ProtocolError, SamplingParams, parse_chat, parse_completion
-from .rollout_routes import add_rollout_routes
 from .responses import ChoiceText, ResponseBuilder, sse
+from .rollout_routes import add_rollout_routes
 
 logger = logging.getLogger("cbcore.serve")
 
@@ -278,6 +279,9 @@ async def _serve(request: Request, state: ServerState, metrics: ServerMetrics, k
     params = _fit(state, prompts, params)
     if params.bad_words:
         params.controls["bad_words_ids"] = _bad_word_ids(state, params.bad_words)
+    problem = token_problem(params.controls, state.vocab_size)
+    if problem is not None:
+        raise ProtocolError(problem, param=problem.split()[0], code="invalid_value")
     if params.logprobs_mode is None and state.logprobs_mode != "raw":
         params.logprobs_mode = state.logprobs_mode
     # Requests still in the manager's input queue count too (a cancelled one stays there until the loop takes it):
