@@ -135,6 +135,21 @@ MANAGER_METHODS = {
         valid=lambda served: dict(prompts=[[1, 2, 3]], continuations=[[4]], timeout=WAIT_S),
         accepts={"timeout": NONE | INT | FLOAT},
     ),
+    "update_weights": Method(
+        call=lambda served, **kw: served.manager.update_weights(**kw),
+        valid=lambda served: dict(weights={}, mode="keep", timeout=None),
+        accepts={"timeout": NONE | INT | FLOAT},
+    ),
+    "load_weights": Method(
+        call=lambda served, **kw: served.manager.load_weights(**kw),
+        valid=lambda served: dict(path="/nonexistent/checkpoint", mode="keep", timeout=None),
+        accepts={"timeout": NONE | INT | FLOAT},
+    ),
+    "sleep": Method(
+        call=lambda served, **kw: served.manager.sleep(**kw),
+        valid=lambda served: dict(mode="abort", offload_weights=False, timeout=WAIT_S),
+        accepts={"timeout": NONE | INT | FLOAT},
+    ),
     "cancel_request": Method(
         call=lambda served, **kw: served.manager.cancel_request(**kw),
         valid=lambda served: dict(request_id="no_such_request"),
@@ -168,7 +183,7 @@ MANAGER_METHODS = {
         accepts={"stop_trigger_time": NONE | INT | FLOAT, "timeout": NONE | INT | FLOAT},
     ),
     **{name: _no_arguments(name) for name in ("start", "warmup", "pause", "destroy", "is_running", "check_invariants",
-                                              "stats", "__iter__")},
+                                              "stats", "__iter__", "reset_prefix_cache", "wake_up")},
 }
 
 MIXIN_METHODS = {

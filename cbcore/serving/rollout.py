@@ -14,6 +14,7 @@ weights) and cbcore's packed copies of the linear layers are repacked (cbcore/en
 from __future__ import annotations
 
 import gc
+import os
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -37,13 +38,19 @@ class RolloutControl:
         anything is copied: an unknown name, a tensor of another shape or a non-tensor raises ValueError / TypeError
         naming it and changes nothing. `mode`: "keep", "abort" or "wait" (the module's docstring); `timeout`: how
         long "wait" waits for the requests in flight (TimeoutError past it, nothing copied)."""
-        if mode not in PAUSE_MODES:
+        if not isinstance(mode, str) or mode not in PAUSE_MODES:
             raise ValueError(f"update_weights: mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
         timeout = request_inputs.timeout_seconds(timeout, "update_weights: timeout")
         if self._tensor_parallel is not None:
             raise NotImplementedError("update_weights: under tensor parallelism each rank holds a shard; update "
                                       "every rank's model inside `with manager.pause():` instead")
-        items = list(weights.items() if isinstance(weights, Mapping) else weights)
+        if isinstance(weights, Mapping):
+            items = list(weights.items())
+        elif isinstance(weights, (str, bytes, torch.Tensor)) or not isinstance(weights, Iterable):
+            raise TypeError(f"update_weights: weights must be a mapping of names to tensors or (name, tensor) pairs, "
+                            f"got {type(weights).__name__}")
+        else:
+            items = list(weights)
         targets = dict(self.model.named_parameters())
         targets.update(self.model.named_buffers())
         for index, item in enumerate(items):
@@ -72,6 +79,11 @@ class RolloutControl:
         saved with `save_pretrained`); returns how many tensors were copied."""
         from safetensors.torch import load_file
 
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"load_weights: path must be a str or a path, got {type(path).__name__}")
+        if not isinstance(mode, str) or mode not in PAUSE_MODES:
+            raise ValueError(f"load_weights: mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        request_inputs.timeout_seconds(timeout, "load_weights: timeout")
         path = Path(path)
         files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
         if not files or not all(file.is_file() for file in files):
@@ -92,7 +104,7 @@ class RolloutControl:
         ("abort") or finished first ("wait"; "keep" cannot be: their K/V is what is freed), the loop stops and the
         engine is dropped; `add_request` raises until `wake_up()`. `offload_weights`: also move the model's weights
         to host memory (a model on a GPU; on a CPU they are there already). vLLM's sleep level 1."""
-        if mode not in ("abort", "wait"):
+        if not isinstance(mode, str) or mode not in ("abort", "wait"):
             raise ValueError(f"sleep: mode must be 'abort' or 'wait' (a sleeping engine keeps no request), got {mode!r}")
         timeout = request_inputs.timeout_seconds(timeout, "sleep: timeout")
         offload_weights = request_inputs.flag(offload_weights, "sleep: offload_weights")
