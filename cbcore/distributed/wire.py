@@ -42,7 +42,8 @@ def decode_plan(data: list[int]) -> StepPlan:
     offset = 1 + _FIELDS * count
     requests = []
     for index in range(count):
-        num_tokens, start, num_blocks, emits, score_from, score_to = data[1 + _FIELDS * index : 1 + _FIELDS * (index + 1)]
+        fields = data[1 + _FIELDS * index : 1 + _FIELDS * (index + 1)]
+        num_tokens, start, num_blocks, emits, score_from, score_to = fields
         tokens = data[offset : offset + num_tokens]
         offset += num_tokens
         table = data[offset : offset + num_blocks]

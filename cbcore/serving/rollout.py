@@ -105,7 +105,8 @@ class RolloutControl:
         engine is dropped; `add_request` raises until `wake_up()`. `offload_weights`: also move the model's weights
         to host memory (a model on a GPU; on a CPU they are there already). vLLM's sleep level 1."""
         if not isinstance(mode, str) or mode not in ("abort", "wait"):
-            raise ValueError(f"sleep: mode must be 'abort' or 'wait' (a sleeping engine keeps no request), got {mode!r}")
+            raise ValueError(f"sleep: mode must be 'abort' or 'wait' (a sleeping engine keeps no request), "
+                             f"got {mode!r}")
         timeout = request_inputs.timeout_seconds(timeout, "sleep: timeout")
         offload_weights = request_inputs.flag(offload_weights, "sleep: offload_weights")
         if self._tensor_parallel is not None:
