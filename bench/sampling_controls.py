@@ -73,6 +73,10 @@ def main() -> None:
         "",
         f"Command: `python bench/sampling_controls.py --rounds {args.rounds}` (interleaved arms, medians).",
         "",
+        f"Conditions: torch {torch.__version__}, {torch.get_num_threads()} threads; model {workload.model}, fp32; "
+        f"{len(workload.prompts)} requests ({workload.length_distribution}), sampled at temperature 0.8; "
+        "the controls of `CONTROLS` in bench/sampling_controls.py.",
+        "",
         "| arm | tok/s (median) | rounds |",
         "|---|---|---|",
         f"| all off | {off:.1f} | {', '.join(f'{r:.1f}' for r in rates['off'])} |",
