@@ -65,8 +65,7 @@ class RolloutControl:
                 raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, the model's "
                                  f"{tuple(targets[name].shape)}")
         if mode == "abort":
-            for request_id in self._requests.in_flight_ids():
-                self.cancel_request(request_id)
+            self._cancel_in_flight()
         elif mode == "wait":
             self._wait_for(self._requests.in_flight_ids(), timeout)
         with self.pause(), torch.no_grad():
@@ -114,8 +113,7 @@ class RolloutControl:
         if not self.is_running():
             raise RuntimeError("sleep: the manager is not running")
         if mode == "abort":
-            for request_id in self._requests.in_flight_ids():
-                self.cancel_request(request_id)
+            self._cancel_in_flight()
         self.stop(block=True, timeout=timeout)
         if self.is_running():
             raise TimeoutError(f"sleep: the loop did not finish its requests within {timeout} s")
@@ -142,6 +140,11 @@ class RolloutControl:
     def is_sleeping(self) -> bool:
         """Whether `sleep()` freed the engine and `wake_up()` has not been called since."""
         return getattr(self, "_asleep", False)
+
+    def _cancel_in_flight(self: Any) -> None:
+        """Cancel every request in flight now (each ends with one CANCELLED output)."""
+        for request_id in self._requests.in_flight_ids():
+            self.cancel_request(request_id)
 
     def _wait_for(self: Any, request_ids: set[str], timeout: float | None) -> None:
         """Until none of `request_ids` is in flight (each got its terminal output)."""

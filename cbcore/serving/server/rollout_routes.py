@@ -58,8 +58,7 @@ class RolloutState:
         if self.paused:
             return
         if mode == "abort":
-            for request_id in self.manager._requests.in_flight_ids():
-                self.manager.cancel_request(request_id)
+            self.manager._cancel_in_flight()
         elif mode == "wait":
             self.manager._wait_for(self.manager._requests.in_flight_ids(), WAIT_TIMEOUT_S)
         entered = threading.Event()
