@@ -5,6 +5,7 @@ does what it says to the requests in flight; bad input changes nothing; `reset_p
 from __future__ import annotations
 
 import copy
+import weakref
 
 import pytest
 import torch
@@ -136,14 +137,17 @@ def test_sleep_frees_the_cache_and_wake_up_serves_exactly() -> None:
         # else stopping allocates or frees (the model's own linear weights handed back: ~10 MB) is noise.
         with manager.pause():
             pages = manager.cache.key_caches + manager.cache.value_caches
-            cache_bytes = sum(tensor.numel() * tensor.element_size() for tensor in pages)
-            for tensor in pages:
-                tensor.fill_(1.0)
-            del pages
+            cache_bytes = sum(page.numel() * page.element_size() for page in pages)
+            for page in pages:
+                page.fill_(1.0)
+            # Weak references only: a name left bound to one layer's pages (a loop variable) keeps its 32 MiB alive.
+            alive = [weakref.ref(page) for page in pages]
+            del pages, page
         awake = process.memory_info().rss
         manager.sleep()
         asleep = process.memory_info().rss
         assert manager.is_sleeping and manager.engine is None
+        assert all(ref() is None for ref in alive), "a KV cache tensor outlived sleep()"
         with pytest.raises(RuntimeError, match="asleep"):
             manager.add_request(prompts[0])
         manager.wake_up()
