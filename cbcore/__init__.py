@@ -13,6 +13,7 @@ from .mixin import ContinuousMixin, enable
 from .model_support import UnsupportedModelError, check_model_supported
 from .requests import GenerationOutput, PromptLogprobs, RequestStatus
 from .serving.scoring import ContinuationScore
+from .structured_output import StructuredOutput
 
 __all__ = [
     "ContinuationScore",
@@ -22,6 +23,7 @@ __all__ = [
     "GenerationOutput",
     "PromptLogprobs",
     "RequestStatus",
+    "StructuredOutput",
     "UnsupportedModelError",
     "check_model_supported",
     "enable",

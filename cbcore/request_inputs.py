@@ -43,12 +43,13 @@ from .sampling import (
     TOP_LOGPROBS_KWARG,
 )
 from .sampling_controls import CONTROL_KWARGS, check_controls
+from .structured_output import STRUCTURED_OUTPUT_KWARG, structured_output
 
 PROMPT_LOGPROBS_KWARG = "prompt_logprobs"
 # cbcore's per-request kwargs next to transformers' processor ones (see cbcore/sampling.py and
 # cbcore/sampling_controls.py); unlike those, they need no `per_request_processors`.
 _CBCORE_KWARGS = (SEED_KWARG, TOP_LOGPROBS_KWARG, PRIORITY_KWARG, LOGPROBS_MODE_KWARG, PROMPT_LOGPROBS_KWARG,
-                  *CONTROL_KWARGS)
+                  STRUCTURED_OUTPUT_KWARG, *CONTROL_KWARGS)
 # The integer per-request kwargs: (name, lowest, highest (None: no bound), the range as the error message says it).
 _INT_KWARGS = (
     (SEED_KWARG, 0, 2**63 - 1, "in [0, 2**63)"),
@@ -216,6 +217,8 @@ def processor_kwargs(kwargs: dict[str, Any], per_request_processors: bool, do_sa
     mode = kwargs.get(LOGPROBS_MODE_KWARG)
     if mode is not None and mode not in LOGPROBS_MODES:
         raise ValueError(f"{what}: {LOGPROBS_MODE_KWARG} must be one of {list(LOGPROBS_MODES)}, got {mode!r}")
+    if STRUCTURED_OUTPUT_KWARG in kwargs:
+        normalised[STRUCTURED_OUTPUT_KWARG] = structured_output(kwargs[STRUCTURED_OUTPUT_KWARG], what)
     for name in CONTROL_KWARGS:
         normalised.pop(name, None)
     normalised.update(check_controls(kwargs, what))

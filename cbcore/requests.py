@@ -161,6 +161,10 @@ class RequestState:
     cancelled_children: set[int] = field(default_factory=set)
     # The request's own torch.Generator when it has a `seed` (made by the runner at its first sample).
     sampling_generator: Any = field(default=None, repr=False)
+    # With structured_output: its grammar matcher (cbcore/grammar.py `RequestGrammar`), advanced by each generated
+    # token; or why its constraint does not compile (the request then ends FAILED with that message).
+    grammar: Any = field(default=None, repr=False)
+    grammar_problem: str | None = None
 
     def __post_init__(self) -> None:
         self.all_tokens = list(self.initial_tokens)
@@ -269,6 +273,8 @@ class RequestState:
         child.logprob_mass = list(self.logprob_mass)
         child.prompt_token_logprobs = list(self.prompt_token_logprobs)
         child.prompt_top_logprobs = list(self.prompt_top_logprobs)
+        if self.grammar is not None:
+            child.grammar = self.grammar.fork(child.generated_tokens)
         child._status = self._status
         child.lifespan = (child.created_time, -1)
         return child

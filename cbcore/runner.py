@@ -275,6 +275,7 @@ class ModelRunner:
             [item.state.max_new_tokens for item in emitted],
             generators if any(g is not None for g in generators) else None,  # None: no per-row draw at all
             controls or None,
+            [(row, item.state.grammar) for row, item in enumerate(emitted) if item.state.grammar is not None] or None,
         )
         return StepResult(emitted, sampled.tokens, sampled.logprobs, sampled.top_logprobs, sampled.logprob_mass,
                           prompt_scores)

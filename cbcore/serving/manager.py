@@ -44,6 +44,7 @@ from ..cache import PagedKVCache
 from ..config import ContinuousBatchingConfig, as_cbcore_config
 from ..distributed import join_group
 from ..engine import EngineCore
+from ..grammar import GrammarEngine, engine_for
 from ..model_support import check_model_supported, self_check, self_check_enabled
 from ..openmp_team import release_caller_openmp_team
 from ..outputs import OutputRouter
@@ -83,7 +84,10 @@ class ContinuousBatchingManager(RequestSubmission, ContinuationScoring, RolloutC
         generation_config: GenerationConfig,
         continuous_batching_config: ContinuousBatchingConfig | None = None,
         workload_hints: WorkloadHints | None = None,
+        tokenizer: Any = None,
     ) -> None:
+        """`tokenizer`: the model's tokenizer, for requests with `structured_output` (their grammars are compiled
+        against its vocabulary); None loads it from the model's `name_or_path` when one first asks."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"ContinuousBatchingManager: model must be a torch.nn.Module, got {type(model).__name__}")
         request_inputs.manager_configs(
@@ -94,6 +98,8 @@ class ContinuousBatchingManager(RequestSubmission, ContinuationScoring, RolloutC
         self.generation_config = GenerationConfig.from_dict(generation_config.to_dict())
         self.continuous_batching_config = as_cbcore_config(continuous_batching_config)
         self.workload_hints = workload_hints
+        self.tokenizer = tokenizer
+        self._grammar_engine: GrammarEngine | None = None
         self.model = model.eval()
         self.continuous_batching_config.check_supported(model.device)
         # The config exactly as `model.generate` prepares it (unset values from the model's generation config and
@@ -146,6 +152,20 @@ class ContinuousBatchingManager(RequestSubmission, ContinuationScoring, RolloutC
         self.is_tp_driver = self._tensor_parallel is None or self._tensor_parallel.is_driver
 
     # ------------------------------------------------------------------------------------------------ set-up ----
+
+    def grammar_engine(self) -> GrammarEngine:
+        """The grammar engine of structured output for this model's tokenizer (cbcore/grammar.py), made on first
+        use; ValueError when there is no tokenizer to make it from."""
+        if self._grammar_engine is None:
+            if self.tokenizer is None:
+                self.tokenizer = _load_tokenizer(self.model)
+            embeddings = self.model.get_output_embeddings()
+            vocab_size = (embeddings.weight.shape[0] if embeddings is not None
+                          else self.model.get_input_embeddings().num_embeddings)
+            eos = self.default_eos_token_id
+            stop_ids = tuple(t for t in ([eos] if isinstance(eos, int) else eos or ()) if t >= 0)
+            self._grammar_engine = engine_for(self.tokenizer, vocab_size, stop_ids)
+        return self._grammar_engine
 
     def switch_to_cb_friendly_attn(self, model: torch.nn.Module, auto_switch_to_flash: bool = True) -> None:
         """Point the model's attention at cbcore's paged attention (handed back when the loop ends), building the
@@ -470,3 +490,17 @@ class ContinuousBatchingManager(RequestSubmission, ContinuationScoring, RolloutC
     def num_preemptions(self) -> int:
         """How many times a running request was preempted to make room."""
         return self.scheduler.num_preemptions if self.scheduler else 0
+
+
+def _load_tokenizer(model: torch.nn.Module) -> Any:
+    """The tokenizer saved with `model` (its `name_or_path`, local files only), for structured output."""
+    from transformers import AutoTokenizer
+
+    source = getattr(model, "name_or_path", "") or ""
+    try:
+        return AutoTokenizer.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError, TypeError) as error:
+        raise ValueError(
+            f"structured_output needs the model's tokenizer, and none loads from the model's name_or_path "
+            f"{source!r} ({type(error).__name__}); pass it: ContinuousBatchingManager(..., tokenizer=tokenizer)"
+        ) from None

@@ -14,9 +14,11 @@ import time
 from typing import Any
 
 from .. import request_inputs
+from ..grammar import GrammarError
 from ..request_inputs import PROMPT_LOGPROBS_KWARG
-from ..sampling_controls import CONTROL_KWARGS
 from ..requests import RequestState
+from ..sampling_controls import CONTROL_KWARGS
+from ..structured_output import STRUCTURED_OUTPUT_KWARG
 
 # How long add_request waits for room in a full input queue (max_queue_size) before raising queue.Full, as transformers.
 ADD_REQUEST_TIMEOUT_S = 10.0
@@ -47,7 +49,10 @@ class RequestSubmission:
         logprobs and k alternatives: `GenerationOutput.prompt_logprobs`), `priority` (an int, lower first: see
         cbcore/scheduler.py), and the sampling controls `repetition_penalty`, `frequency_penalty`,
         `presence_penalty`, `logit_bias`, `min_p`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `bad_words_ids`
-        (vLLM's semantics: cbcore/sampling_controls.py).
+        (vLLM's semantics: cbcore/sampling_controls.py), and `structured_output` (a `cbcore.StructuredOutput` or a
+        dict of its fields: a JSON schema, any JSON object, a regex, a choice list, an EBNF grammar or a structural
+        tag the generated text must follow; needs the model's tokenizer, `ContinuousBatchingManager(...,
+        tokenizer=)`; a constraint that does not compile ends the request FAILED naming the problem).
 
         Raised here, before anything is queued, naming the argument: a wrong type (`TypeError`: token ids that are
         not ints, `max_new_tokens="5"` or `2.5`, a non-str `request_id`, a `streaming` or `record_timestamps` other
@@ -164,11 +169,12 @@ class RequestSubmission:
         kwargs = dict(kwargs)
         controls = {name: kwargs.pop(name) for name in CONTROL_KWARGS if name in kwargs}
         prompt_logprobs = kwargs.pop(PROMPT_LOGPROBS_KWARG, None)
+        constraint = kwargs.pop(STRUCTURED_OUTPUT_KWARG, None)
         min_tokens = controls.get("min_tokens", 0)
         if max_new_tokens is not None and min_tokens > max_new_tokens:
             raise ValueError(f"request {request_id or '(new)'}: min_tokens={min_tokens} is more than "
                              f"max_new_tokens={max_new_tokens}")
-        return RequestState(
+        state = RequestState(
             request_id=request_id or "",
             initial_tokens=prompt,
             max_new_tokens=max_new_tokens,
@@ -180,6 +186,14 @@ class RequestSubmission:
             sampling_controls=controls,
             prompt_logprobs=prompt_logprobs,
         )
+        if constraint is not None:
+            # Compiled here, on the caller's thread (cached per distinct constraint): the loop never waits on it. A
+            # constraint that does not compile fails this request alone, with a FAILED output naming the problem.
+            try:
+                state.grammar = self.grammar_engine().request_grammar(constraint, state.finish_token_ids)
+            except GrammarError as error:
+                state.grammar_problem = str(error)
+        return state
 
     def _check_accepting(self) -> None:
         """Under the registry's lock: raise when requests are not accepted now."""
