@@ -32,12 +32,15 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ...grammar import GrammarError
 from ...sampling_controls import token_problem
+from .constraints import CONSTRAINT_FIELDS, request_constraint
 from .generation import EngineUnavailable, Generation
 from .metrics import ServerMetrics
 from .protocol import ProtocolError, SamplingParams, parse_chat, parse_completion
 from .responses import ChoiceText, ResponseBuilder, sse
 from .rollout_routes import add_rollout_routes
+from .tools import ToolRequest, parse_tools, response_template
 
 logger = logging.getLogger("cbcore.serve")
 
@@ -144,19 +147,26 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        parsed = parse_completion(await _json(request))
+        body = await _json(request)
+        parsed = parse_completion(body)
         _check_model(state, parsed.model)
+        _constrain(state, parsed.params, body)
         prompts = [_encode_text(state, p) if isinstance(p, str) else p for p in parsed.prompts]
         return await _serve(request, state, metrics, "completion", prompts, parsed.params, parsed.stream,
                             parsed.include_usage)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        parsed = parse_chat(await _json(request))
+        body = await _json(request)
+        parsed = parse_chat(body)
         _check_model(state, parsed.model)
-        prompt = _apply_chat_template(state, parsed.messages)
+        tools = parse_tools(body)
+        _constrain(state, parsed.params, body, tools)
+        template = _tool_parser_template(state, tools) if tools is not None and tools.choice == "auto" else None
+        prompt = _apply_chat_template(state, parsed.messages, tools.tools if tools is not None else None)
         return await _serve(request, state, metrics, "chat", [prompt], parsed.params, parsed.stream,
-                            parsed.include_usage)
+                            parsed.include_usage, tools if tools is not None and tools.choice != "none" else None,
+                            template)
 
     if state.rollout_routes:
         add_rollout_routes(app, state)
@@ -196,13 +206,53 @@ def _encode_text(state: ServerState, text: str) -> list[int]:
     return ids
 
 
-def _apply_chat_template(state: ServerState, messages: list[dict[str, Any]]) -> list[int]:
-    """The chat template's text (it carries its own special tokens, so none are added when encoding)."""
+def _constrain(state: ServerState, params: SamplingParams, body: dict, tools: ToolRequest | None = None) -> None:
+    """The request's constraint (constraints.py; or the grammar of tool_choice required / a named function) on
+    `params`, compiled now so that one that does not compile is a 400 naming its field (compiled grammars are
+    cached: a schema sent again costs nothing)."""
+    constraint = request_constraint(body)
+    source = next((name for name in CONSTRAINT_FIELDS if body.get(name) is not None), None)
+    forced = tools.constraint() if tools is not None else None
+    if forced is not None:
+        if constraint is not None:
+            raise ProtocolError(f"tool_choice {tools.choice!r} (a function or 'required') constrains the output to "
+                                f"tool calls; leave '{source}' out", param=source, code="invalid_value")
+        constraint, source = forced, "tools"
+    if params.stop and tools is not None and tools.choice != "none":
+        raise ProtocolError("'stop' with tools is not supported: a stop string could cut a tool call short; leave "
+                            "it out", param="stop", code="unsupported_parameter")
+    if constraint is None:
+        return
+    try:
+        state.manager.grammar_engine().compile(constraint)
+    except GrammarError as error:
+        reason = str(error).split("does not compile: ", 1)[-1]
+        raise ProtocolError(f"'{source}' does not compile ({constraint.kind}): {reason}", param=source,
+                            code="invalid_value") from None
+    params.structured_output, params.constraint_field = constraint, source
+
+
+def _tool_parser_template(state: ServerState, tools: ToolRequest) -> dict:
+    """transformers' response template that finds this model's tool calls (tool_choice "auto"); a 400 without."""
+    template = response_template(state.tokenizer, state.manager.model)
+    if template is None:
+        raise ProtocolError(
+            f"tool_choice 'auto' needs a parser of this model's tool calls, and transformers has none for it (no "
+            f"response_template on its tokenizer, none for model type {state.manager.model.config.model_type!r}); "
+            "use tool_choice 'required' or a named function, which a grammar enforces for any model",
+            param="tool_choice", code="unsupported_parameter")
+    return template
+
+
+def _apply_chat_template(state: ServerState, messages: list[dict[str, Any]],
+                         tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The chat template's text (it carries its own special tokens, so none are added when encoding), with the
+    tools rendered as the template renders them."""
     if not getattr(state.tokenizer, "chat_template", None):
         raise ProtocolError("this model's tokenizer has no chat template; use /v1/completions", param="messages",
                             code="no_chat_template")
     try:
-        text = state.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = state.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     except Exception as error:  # jinja's TemplateError and friends: the template refused these messages
         raise ProtocolError(f"the chat template refused the messages: {error}", param="messages",
                             code="invalid_value") from error
@@ -275,7 +325,8 @@ def _bad_word_ids(state: ServerState, words: list[str]) -> list[list[int]]:
 
 
 async def _serve(request: Request, state: ServerState, metrics: ServerMetrics, kind: str,
-                 prompts: list[list[int]], params: SamplingParams, stream: bool, include_usage: bool):
+                 prompts: list[list[int]], params: SamplingParams, stream: bool, include_usage: bool,
+                 tools: ToolRequest | None = None, response_template: dict | None = None):
     params = _fit(state, prompts, params)
     if params.bad_words:
         params.controls["bad_words_ids"] = _bad_word_ids(state, params.bad_words)
@@ -291,7 +342,7 @@ async def _serve(request: Request, state: ServerState, metrics: ServerMetrics, k
     builder = ResponseBuilder(kind, state.model_name, state.tokenizer, params.logprobs, include_usage,
                               params.tokens_as_ids)
     generation = Generation(state.manager, state.tokenizer, metrics, builder.id, prompts, params,
-                            state.eos_token_ids)
+                            state.eos_token_ids, tools, response_template)
     generation.start()
     endpoint = _endpoint(request)
     if stream:
@@ -335,6 +386,8 @@ async def _collect(generation: Generation) -> list[ChoiceText | str]:
         result.token_ids += delta.token_ids
         result.logprobs += delta.logprobs
         result.top_logprobs += delta.top_logprobs
+        result.reasoning += delta.reasoning
+        result.tool_calls += delta.tool_calls
         result.finish_reason = delta.finish_reason or result.finish_reason
     return results
 
@@ -347,6 +400,7 @@ async def _stream(request: Request, generation: Generation, builder: ResponseBui
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     watcher.add_done_callback(lambda task: task.cancelled() or generation.cancel())
     offsets = [0] * len(generation.choices)
+    calls_sent = [0] * len(generation.choices)  # per choice, its tool calls streamed so far (their delta index)
     outcome = "cancelled"
     try:
         if kind == "chat":
@@ -359,8 +413,12 @@ async def _stream(request: Request, generation: Generation, builder: ResponseBui
                     yield sse({"error": {"message": delta.error, "type": "server_error", "param": None,
                                          "code": "generation_failed"}})
                     continue
+                first = calls_sent[delta.index]
+                calls = list(enumerate(delta.tool_calls, start=first))
+                calls_sent[delta.index] += len(calls)
                 yield sse(builder.delta_chunk(delta.index, delta.text, delta.token_ids, delta.logprobs,
-                                              delta.finish_reason, offsets[delta.index], delta.top_logprobs))
+                                              delta.finish_reason, offsets[delta.index], delta.top_logprobs,
+                                              delta.reasoning, calls))
                 offsets[delta.index] += len(delta.text)
         except EngineUnavailable as error:
             outcome = "failed"

@@ -21,14 +21,17 @@ _REPLACEMENT = "\ufffd"
 class IncrementalDetokenizer:
     """Text deltas for a growing token list; `push(tokens)` takes all tokens so far (a manager snapshot)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+        """`skip_special_tokens=False` keeps special tokens' text (a tool-call parser looks for markers that some
+        tokenizers hold as special tokens)."""
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.tokens: list[int] = []
         self._prefix_offset = 0  # start of the window decoded for context
         self._read_offset = 0  # tokens before this are already in the text
 
     def _decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return self.tokenizer.decode(tokens, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, tokens: list[int], final: bool = False) -> str:
         """The new text since the last call. `tokens` extends the previous list. With `final`, a character left

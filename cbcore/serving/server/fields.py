@@ -62,8 +62,7 @@ H, N, D, R = Treatment.HONOURED, Treatment.NO_OP, Treatment.DEFAULT_ONLY, Treatm
 _CMPL, _CHAT = frozenset({COMPLETIONS}), frozenset({CHAT})
 _SAMPLING = ("cbcore samples with temperature, top_p, top_k, min_p, the penalties, logit_bias and bad_words, and no "
              "other logits processor")
-_GUIDED = "cbcore has no constrained (guided) decoding, so the text would not follow the constraint"
-_TOOLS = "cbcore has no tool calling"
+_TOOLS = "it is OpenAI's deprecated form of 'tools' and 'tool_choice', which this server takes instead"
 _ONE_ENGINE = "cbcore serves one engine on one machine, with no KV transfer or routing between engines"
 _NO_PARSER = "SGLang splits reasoning out only with a reasoning parser; cbcore has none: the text is whole either way"
 _TEXT = "the text is decoded with special tokens skipped and no stop string kept, as cbcore always does"
@@ -84,7 +83,7 @@ _ROWS = (
     Field("presence_penalty", H),
     Field("frequency_penalty", H),
     Field("logit_bias", H),
-    Field("response_format", D, accepted=({"type": "text"},), why=_GUIDED),
+    Field("response_format", H),
     # ---- OpenAI: completions
     Field("prompt", H, _CMPL),
     Field("best_of", D, _CMPL, accepted=(1,), same_as="n", why="cbcore returns every sample it draws (best_of = n)"),
@@ -94,11 +93,11 @@ _ROWS = (
     Field("messages", H, _CHAT),
     Field("max_completion_tokens", H, _CHAT),
     Field("top_logprobs", H, _CHAT),
-    Field("tools", D, _CHAT, accepted=([],), why=_TOOLS),
-    Field("tool_choice", D, _CHAT, accepted=("none", "auto"), why=_TOOLS + " (with no tools, auto is none)"),
+    Field("tools", H, _CHAT),
+    Field("tool_choice", H, _CHAT),
     Field("functions", D, _CHAT, accepted=([],), why=_TOOLS),
     Field("function_call", D, _CHAT, accepted=("none", "auto"), why=_TOOLS),
-    Field("parallel_tool_calls", N, _CHAT, why="it shapes tool calls only, and tools are refused"),
+    Field("parallel_tool_calls", H, _CHAT),
     Field("modalities", D, _CHAT, accepted=(["text"],), why="cbcore generates text only"),
     Field("audio", R, _CHAT, why="cbcore generates text only"),
     Field("reasoning_effort", R, _CHAT, why="cbcore passes nothing of it to the chat template or the model"),
@@ -149,13 +148,13 @@ _ROWS = (
     Field("kv_transfer_params", R, why=_ONE_ENGINE),
     Field("ec_transfer_params", R, why=_ONE_ENGINE),
     Field("vllm_xargs", D, accepted=({},), why="cbcore has no request extensions"),
-    Field("structured_outputs", R, why=_GUIDED),
-    Field("guided_json", R, why=_GUIDED),
-    Field("guided_regex", R, why=_GUIDED),
-    Field("guided_choice", R, why=_GUIDED),
-    Field("guided_grammar", R, why=_GUIDED),
-    Field("guided_decoding_backend", R, why=_GUIDED),
-    Field("guided_whitespace_pattern", R, why=_GUIDED),
+    Field("structured_outputs", H),
+    Field("guided_json", H),
+    Field("guided_regex", H),
+    Field("guided_choice", H),
+    Field("guided_grammar", H),
+    Field("guided_decoding_backend", D, accepted=("xgrammar", "auto"), why="cbcore's grammar engine is xgrammar"),
+    Field("guided_whitespace_pattern", R, why="it is an outlines option and cbcore's grammar engine is xgrammar"),
     # ---- vLLM: completions
     Field("add_special_tokens", D, _CMPL, accepted=(True,),
           why="a text prompt is encoded with the tokenizer's special tokens, as transformers encodes it"),
@@ -176,9 +175,9 @@ _ROWS = (
     Field("include_reasoning", D, _CHAT, accepted=(True,),
           why="cbcore has no reasoning parser: the message holds all the generated text"),
     # ---- SGLang's extra fields (both endpoints)
-    Field("regex", R, why=_GUIDED),
-    Field("ebnf", R, why=_GUIDED),
-    Field("json_schema", R, why=_GUIDED),
+    Field("regex", H),
+    Field("ebnf", H),
+    Field("json_schema", H),
     Field("stop_regex", R, why="stop strings are matched literally"),
     Field("no_stop_trim", D, accepted=(False,), why=_TEXT),
     Field("lora_path", R, why="cbcore serves the model's own weights, with no LoRA adapters"),

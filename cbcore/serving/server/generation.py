@@ -26,6 +26,7 @@ from cbcore.requests import GenerationOutput, RequestStatus
 from .detokenizer import IncrementalDetokenizer, StopMatcher
 from .metrics import ServerMetrics
 from .protocol import ProtocolError, SamplingParams
+from .tools import ToolCall, ToolCallExtractor, ToolRequest
 
 # How often a wait for outputs checks that the engine loop is still alive (the loop fails every pending request when
 # it dies, so this is a second line of defence against a wait that could never end).
@@ -49,6 +50,9 @@ class Delta:
     top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    # With tools (tools.py): reasoning the response template split out, and tool calls completed in this delta.
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 class _Choice:
@@ -69,14 +73,22 @@ class _Choice:
         self.echoed = False  # the prompt went out (echo)
         self.added_at = time.perf_counter()
         self.last_token_at = self.added_at
+        # With tools: the text split into content and calls, and (tool_choice auto) the text with special tokens.
+        self.tool_calls: ToolCallExtractor | None = None
+        self.raw_detokenizer: IncrementalDetokenizer | None = None
 
 
 class Generation:
     """The choices of one HTTP request on the manager."""
 
     def __init__(self, manager: Any, tokenizer: Any, metrics: ServerMetrics, response_id: str,
-                 prompts: list[list[int]], params: SamplingParams, eos_token_ids: set[int]) -> None:
+                 prompts: list[list[int]], params: SamplingParams, eos_token_ids: set[int],
+                 tools: ToolRequest | None = None, response_template: dict | None = None) -> None:
+        """`tools`: the chat request's tools (not "none"), whose calls each choice's text is parsed for;
+        `response_template`: transformers' template that parses them for tool_choice "auto"."""
         self.manager = manager
+        self.tools = tools
+        self.response_template = response_template
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.response_id = response_id
@@ -102,6 +114,11 @@ class Generation:
                     index = prompt_index * self.params.n + k
                     choice = _Choice(index, f"{self.response_id}-{index}", prompt_index, len(prompt),
                                      self.tokenizer, self.params.stop)
+                    if self.tools is not None:
+                        prefix = self.tokenizer.decode(prompt, skip_special_tokens=False)
+                        choice.tool_calls = ToolCallExtractor(self.tools, self.response_template, prefix)
+                        if self.tools.choice == "auto":
+                            choice.raw_detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=False)
                     seeded = kwargs if self.params.seed is None else {**kwargs, "seed": self.params.seed + k}
                     self._add(choice, prompt, seeded)
         except BaseException:
@@ -199,15 +216,38 @@ class Generation:
             self._end(choice)
         if not released and finish_reason is None:
             return None
+        delta = Delta(choice.index, released, finish_reason=finish_reason)
+        if choice.tool_calls is not None:
+            self._extract_tool_calls(choice, delta, tokens, finish_reason is not None)
+            if not (delta.text or delta.reasoning or delta.tool_calls or finish_reason or self.params.logprobs):
+                return None  # text held back (a call being written): nothing to send yet
         new_tokens = tokens[choice.tokens_sent :]
         new_logprobs = list(output.logprobs[choice.tokens_sent : len(tokens)]) if self.params.logprobs else []
         new_top = list(output.top_logprobs[choice.tokens_sent : len(tokens)]) if self.params.top_logprobs else []
         choice.tokens_sent = len(tokens)
         self.metrics.generated_tokens.inc(len(new_tokens))
-        delta = Delta(choice.index, released, list(new_tokens), new_logprobs, new_top, finish_reason)
+        delta.token_ids, delta.logprobs, delta.top_logprobs = list(new_tokens), new_logprobs, new_top
         if self.params.echo and not choice.echoed:
             self._echo(choice, output, delta)
         return delta
+
+    def _extract_tool_calls(self, choice: _Choice, delta: Delta, tokens: list[int], final: bool) -> None:
+        """Turn the delta's text into content and tool calls (tools.py): for tool_choice "auto" from the text with
+        special tokens kept, else from the grammar's JSON, parsed at the end; a choice that made calls ends with
+        finish_reason "tool_calls" ("stop" for a named function)."""
+        extractor = choice.tool_calls
+        if choice.raw_detokenizer is not None:
+            extracted = extractor.feed(choice.raw_detokenizer.push(tokens, final=final))
+        else:
+            extracted = extractor.feed(delta.text)
+        if final:
+            last = extractor.finish()
+            extracted.content += last.content
+            extracted.reasoning += last.reasoning
+            extracted.calls += last.calls
+        delta.text, delta.reasoning, delta.tool_calls = extracted.content, extracted.reasoning, extracted.calls
+        if final and extractor.made_calls and delta.finish_reason == "stop":
+            delta.finish_reason = self.tools.finish_reason
 
     def _echo(self, choice: _Choice, output: GenerationOutput, delta: Delta) -> None:
         """Put the prompt before the choice's first delta: its text, and with logprobs its tokens with their

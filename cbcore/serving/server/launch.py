@@ -36,8 +36,8 @@ def serving_generation_config(model: Any):
     )
 
 
-def build_manager(model: Any, args: argparse.Namespace):
-    """The server's manager (not started)."""
+def build_manager(model: Any, args: argparse.Namespace, tokenizer: Any = None):
+    """The server's manager (not started); `tokenizer` compiles its requests' structured output."""
     from cbcore.serving.manager import ContinuousBatchingManager
 
     if args.max_queue_size < 0:
@@ -45,7 +45,7 @@ def build_manager(model: Any, args: argparse.Namespace):
     cb_config = build_cb_config(args, per_request_processors=True, return_logprobs=True,
                                 max_queue_size=args.max_queue_size)
     try:
-        manager = ContinuousBatchingManager(model, serving_generation_config(model), cb_config)
+        manager = ContinuousBatchingManager(model, serving_generation_config(model), cb_config, tokenizer=tokenizer)
     except (ValueError, NotImplementedError) as error:
         raise UsageError(f"cannot serve this model: {error}") from error
     return manager
@@ -88,7 +88,7 @@ def serve(args: argparse.Namespace, stderr: TextIO) -> int:
     print(f"cbcore serve: loaded {name} in {time.perf_counter() - started:.1f} s ({args.dtype}, {device})",
           file=stderr, flush=True)
 
-    manager = build_manager(model, args)
+    manager = build_manager(model, args, tokenizer)
     try:
         manager.start()
     except (ValueError, NotImplementedError, RuntimeError) as error:

@@ -21,6 +21,7 @@ among preemption victims (cbcore/scheduler.py); every choice of a request has it
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from typing import Any
 
 from ...sampling import LOGPROBS_MODES
 from ...sampling_controls import check_controls
+from ...structured_output import StructuredOutput
 from .fields import CHAT, COMPLETIONS, refusal
 
 # OpenAI caps `stop` at 4 sequences; `n` and `top_logprobs` at 128 and 20.
@@ -79,6 +81,10 @@ class SamplingParams:
     logprobs_mode: str | None = None  # None: the server's (--logprobs-mode)
     echo: bool = False  # completions: the prompt (and its logprobs) before the generated text
     score_only: bool = False  # max_tokens=0 with echo: the prompt's logprobs only, nothing generated
+    # What the text must follow (constraints.py, or tools.py for tool_choice required / a named function), and the
+    # field that asked for it (named by a 400 when it does not compile).
+    structured_output: StructuredOutput | None = None
+    constraint_field: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -99,6 +105,8 @@ class SamplingParams:
             extra["logprobs_mode"] = self.logprobs_mode
         if self.echo and self.logprobs:  # the prompt's logprobs (and as many alternatives) come first
             extra["prompt_logprobs"] = self.top_logprobs
+        if self.structured_output is not None:
+            extra["structured_output"] = self.structured_output
         if self.greedy:
             return {"top_k": 1, **extra}
         # Only what differs from the manager's own config (temperature 1, top_p 1, no top_k): a step whose rows all
@@ -387,6 +395,9 @@ def _messages(value: Any) -> list[dict[str, Any]]:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ProtocolError(f"'{where}' must be an object with a string 'role'", param=where, code="invalid_type")
         content = message.get("content")
+        extra = _tool_fields(message, where)
+        if content is None and "tool_calls" in extra:
+            content = ""  # an assistant turn that only called tools
         if isinstance(content, list):
             texts = []
             for part in content:
@@ -398,5 +409,40 @@ def _messages(value: Any) -> list[dict[str, Any]]:
         if not isinstance(content, str):
             raise ProtocolError(f"'{where}.content' must be a string or a list of text parts",
                                 param=f"{where}.content", code="invalid_type")
-        messages.append({"role": message["role"], "content": content})
+        messages.append({"role": message["role"], "content": content, **extra})
     return messages
+
+
+def _tool_fields(message: dict, where: str) -> dict[str, Any]:
+    """A message's tool fields for the chat template: an assistant's `tool_calls` (their JSON `arguments` as
+    objects, which chat templates expect), a tool result's `tool_call_id` and `name`."""
+    extra: dict[str, Any] = {}
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list):
+            raise ProtocolError(f"'{where}.tool_calls' must be a list", param=f"{where}.tool_calls",
+                                code="invalid_type")
+        parsed = []
+        for call in calls:
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise ProtocolError(f"'{where}.tool_calls' entries must be {{'function': {{'name', 'arguments'}}}}",
+                                    param=f"{where}.tool_calls", code="invalid_type")
+            arguments = function.get("arguments", {})
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments) if arguments else {}
+                except ValueError:
+                    raise ProtocolError(f"'{where}.tool_calls': arguments of {function['name']!r} are not JSON",
+                                        param=f"{where}.tool_calls", code="invalid_value") from None
+            parsed.append({"id": call.get("id"), "type": "function",
+                           "function": {"name": function["name"], "arguments": arguments}})
+        extra["tool_calls"] = parsed
+    for name in ("tool_call_id", "name"):
+        value = message.get(name)
+        if value is not None:
+            if not isinstance(value, str):
+                raise ProtocolError(f"'{where}.{name}' must be a string", param=f"{where}.{name}",
+                                    code="invalid_type")
+            extra[name] = value
+    return extra

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .detokenizer import IncrementalDetokenizer
+from .tools import ToolCall
 
 
 # What a logprob of -inf (a token the processed distribution dropped) is sent as: JSON has no infinity, and vLLM
@@ -48,6 +49,19 @@ class ChoiceText:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
     finish_reason: str | None = None
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+def chat_message(text: str, reasoning: str = "", tool_calls: list[ToolCall] = ()) -> dict[str, Any]:
+    """A chat choice's message: its content (null when it only called tools, as OpenAI sends it), its tool calls,
+    and the reasoning a response template split out (`reasoning_content`, vLLM's field)."""
+    message: dict[str, Any] = {"role": "assistant", "content": text if text or not tool_calls else None}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if tool_calls:
+        message["tool_calls"] = [call.body() for call in tool_calls]
+    return message
 
 
 class ResponseBuilder:
@@ -104,7 +118,7 @@ class ResponseBuilder:
         """The whole (non-streaming) response body."""
         if self.kind == "chat":
             body_choices = [
-                {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                {"index": c.index, "message": chat_message(c.text, c.reasoning, c.tool_calls),
                  "logprobs": self._logprobs(c.token_ids, c.logprobs, top=c.top_logprobs),
                  "finish_reason": c.finish_reason}
                 for c in choices
@@ -137,11 +151,17 @@ class ResponseBuilder:
 
     def delta_chunk(self, index: int, text: str, token_ids: list[int], logprobs: list[float],
                     finish_reason: str | None, text_offset: int = 0,
-                    top_logprobs: list[tuple[list[int], list[float]]] | None = None) -> dict[str, Any]:
-        """One streaming chunk: a choice's text delta (with its logprobs), or its finish_reason."""
+                    top_logprobs: list[tuple[list[int], list[float]]] | None = None, reasoning: str = "",
+                    tool_calls: list[tuple[int, ToolCall]] = ()) -> dict[str, Any]:
+        """One streaming chunk: a choice's text delta (with its logprobs), or its finish_reason; for chat, also its
+        reasoning and the tool calls completed, each `(index among the choice's calls, call)`."""
         lp = self._logprobs(token_ids, logprobs, text_offset, top_logprobs) if token_ids else None
         if self.kind == "chat":
-            delta = {"content": text} if text or finish_reason is None else {}
+            delta: dict[str, Any] = {"content": text} if text or (finish_reason is None and not tool_calls) else {}
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if tool_calls:
+                delta["tool_calls"] = [call.body(index) for index, call in tool_calls]
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
         else:
             choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
