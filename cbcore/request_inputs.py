@@ -217,8 +217,10 @@ def processor_kwargs(kwargs: dict[str, Any], per_request_processors: bool, do_sa
     mode = kwargs.get(LOGPROBS_MODE_KWARG)
     if mode is not None and mode not in LOGPROBS_MODES:
         raise ValueError(f"{what}: {LOGPROBS_MODE_KWARG} must be one of {list(LOGPROBS_MODES)}, got {mode!r}")
-    if STRUCTURED_OUTPUT_KWARG in kwargs:
+    if kwargs.get(STRUCTURED_OUTPUT_KWARG) is not None:
         normalised[STRUCTURED_OUTPUT_KWARG] = structured_output(kwargs[STRUCTURED_OUTPUT_KWARG], what)
+    else:
+        normalised.pop(STRUCTURED_OUTPUT_KWARG, None)  # None: no constraint
     for name in CONTROL_KWARGS:
         normalised.pop(name, None)
     normalised.update(check_controls(kwargs, what))

@@ -22,6 +22,7 @@
 #include "linear/packed_linear.h"
 #include "runtime/openmp_team.h"
 #include "sampling/greedy.h"
+#include "sampling/token_bitmask.h"
 #include "state_ops/state_ops.h"
 #include "swap/swap.h"
 
@@ -222,5 +223,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   cbcore::register_packed_linear_bindings(m);
   cbcore::register_runtime_bindings(m);
   cbcore::register_greedy_bindings(m);
+  cbcore::register_token_bitmask_bindings(m);
   cbcore::register_state_ops_bindings(m);
 }

@@ -114,16 +114,16 @@ MANAGER_METHODS = {
     "ContinuousBatchingManager": Method(
         call=lambda served, **kw: cbcore.ContinuousBatchingManager(**kw),
         valid=lambda served: dict(model=served.model, generation_config=greedy_config(MAX_NEW_TOKENS),
-                                  continuous_batching_config=None, workload_hints=None),
-        accepts={"continuous_batching_config": NONE, "workload_hints": NONE},
+                                  continuous_batching_config=None, workload_hints=None, tokenizer=None),
+        accepts={"continuous_batching_config": NONE, "workload_hints": NONE, "tokenizer": NONE},
     ),
     "add_request": Method(
         call=lambda served, **kw: served.manager.add_request(**kw),
         valid=lambda served: dict(input_ids=[1, 2, 3], request_id=None, max_new_tokens=2, streaming=False,
-                                  record_timestamps=False, eos_token_id=None),
-        # An integer tensor of any shape is a set of EOS ids.
+                                  record_timestamps=False, eos_token_id=None, structured_output=None),
+        # An integer tensor of any shape is a set of EOS ids; no structured_output is no constraint.
         accepts={"request_id": NONE, "max_new_tokens": NONE | INT,
-                 "eos_token_id": NONE | INT | {"int_tensor_3d"}},
+                 "eos_token_id": NONE | INT | {"int_tensor_3d"}, "structured_output": NONE},
     ),
     "add_requests": Method(
         call=lambda served, **kw: served.manager.add_requests(**kw),

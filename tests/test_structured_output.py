@@ -269,3 +269,31 @@ def test_one_grammar_engine_per_tokenizer_and_one_compile_per_constraint(default
     grown = engine.compiler.get_cache_size_bytes()
     engine.compile(StructuredOutput(json='{"type": "object", "properties": {"q": {"type": "integer"}}}'))
     assert grown > before and engine.compiler.get_cache_size_bytes() == grown
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [49152, 1000, 31])
+def test_the_bitmask_kernel_equals_the_reference(dtype, vocab) -> None:
+    """`cbcore._C.apply_token_bitmask` (where built) against the plain-torch reference and xgrammar's own kernel:
+    words of all ones, all zeros and mixed bits, a vocabulary that is not a multiple of 32, a subset of the rows."""
+    import xgrammar
+
+    from cbcore import grammar
+
+    generator = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-2**31, 2**31 - 1, (6, words), dtype=torch.int32, generator=generator)
+    kind = torch.randint(0, 3, (6, words), generator=generator)
+    bitmask[kind == 0] = -1  # every token of the word allowed
+    bitmask[kind == 1] = 0  # none
+    logits = torch.randn(6, vocab, generator=generator).to(dtype)
+    rows = [0, 2, 3, 5]
+    expected = logits.clone()
+    grammar.reference_apply_bitmask(expected, bitmask, rows)
+    ours = logits.clone()
+    grammar.apply_bitmask(ours, bitmask, rows)
+    assert torch.equal(ours, expected)
+    theirs = logits.float()
+    xgrammar.apply_token_bitmask_inplace(theirs, bitmask, indices=rows)
+    assert torch.equal(theirs, expected.float())
+    assert torch.equal(ours[[1, 4]], logits[[1, 4]])  # rows not listed are untouched

@@ -98,6 +98,9 @@ class ContinuousBatchingManager(RequestSubmission, ContinuationScoring, RolloutC
         self.generation_config = GenerationConfig.from_dict(generation_config.to_dict())
         self.continuous_batching_config = as_cbcore_config(continuous_batching_config)
         self.workload_hints = workload_hints
+        if tokenizer is not None and not callable(getattr(tokenizer, "get_vocab", None)):
+            raise TypeError(f"ContinuousBatchingManager: tokenizer must be the model's transformers tokenizer (or None), "
+                            f"got {type(tokenizer).__name__}")
         self.tokenizer = tokenizer
         self._grammar_engine: GrammarEngine | None = None
         self.model = model.eval()
