@@ -85,7 +85,9 @@ class Server:
     def __init__(self, model_dir: Path | None, *extra: str) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+        # The caller's PYTHONPATH kept after the checkout's: the second transformers release's overlay comes in so.
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+        env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "cbcore", "serve", *(["--model", str(model_dir)] if model_dir else []), "--host",
              "127.0.0.1", "--port",
