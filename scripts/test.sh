@@ -25,8 +25,9 @@ PY="${CBCORE_VENV:-.venv}/bin/python"
 
 # A whole run (no arguments) then runs the drop-in, parity and architecture-sweep tests (and the tool-call parsing
 # that uses transformers' response templates) again on the other supported transformers release
-# (scripts/transformers_versions.sh), whose overlay install.sh put beside the venv. The compiled cases are left out of this second pass: each compiles the step afresh for the other release's model code (minutes
-# with inductor's cache cold), and the compiled step's own tests run on the first.
+# (scripts/transformers_versions.sh), whose overlay install.sh put beside the venv. The compiled cases are left out
+# of this second pass: each compiles the step afresh for the other release's model code (minutes with inductor's
+# cache cold), and the compiled step's own tests run on the first.
 if [ "$#" -eq 0 ]; then
     source scripts/transformers_versions.sh
     PYTHONPATH="$OVERLAY${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest -q -p no:cacheprovider \
