@@ -1,9 +1,10 @@
-"""`ContinuousBatchingManager`: construction, the engine it builds, start / stop / join / destroy, results, counters.
+"""`ContinuousBatchingManager`: construction, the engine it builds, start / stop / join / destroy, counters.
 
 One background thread owns all engine state (scheduler, cache, runner). Public methods may be called from any
-thread; they only talk to the loop through queues, events and one lock. The manager inherits its two halves that
-meet there: the callers' `add_request` / `add_requests` / `cancel_request` (`submission.py`) and the loop thread with
-`pause()` (`generation_loop.py`). Every request ends with exactly one terminal output: FINISHED, FAILED or CANCELLED.
+thread; they only talk to the loop through queues, events and one lock. The manager inherits the parts that meet
+there: the callers' `add_request` / `add_requests` / `cancel_request` (`submission.py`), their reading of outputs
+(`results.py`) and the loop thread with `pause()` (`generation_loop.py`); and scoring (`scoring.py`) and the
+rollout controls (`rollout.py`) built on them. Every request ends with exactly one terminal output: FINISHED, FAILED or CANCELLED.
 
 Lifecycle, and who may touch the model when:
 
@@ -26,13 +27,11 @@ the differences are listed in the README, "Differences from transformers 5.24 an
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import numbers
 import queue
 import threading
 import time
-from collections.abc import Callable, Generator
 from typing import Any
 
 import torch
@@ -44,17 +43,18 @@ from ..cache import PagedKVCache
 from ..config import ContinuousBatchingConfig, as_cbcore_config
 from ..distributed import join_group
 from ..engine import EngineCore
-from ..grammar import GrammarEngine, engine_for
+from ..grammar import GrammarEngine
 from ..model_support import check_model_supported, self_check, self_check_enabled
 from ..openmp_team import release_caller_openmp_team
 from ..outputs import OutputRouter
-from ..requests import GenerationOutput, RequestState
+from ..requests import RequestState
 from ..runner import ModelRunner
 from ..scheduler import Scheduler
 from .batch_processor_view import BatchProcessorView
 from .generation_config import prepare_generation_config
 from .generation_loop import BackgroundThreadStatus, GenerationLoop, StopMode
 from .request_registry import RequestRegistry
+from .results import ResultReading
 from .rollout import RolloutControl
 from .scoring import ContinuationScoring
 from .submission import RequestSubmission
@@ -62,7 +62,8 @@ from .submission import RequestSubmission
 logger = logging.getLogger("cbcore")
 
 
-class ContinuousBatchingManager(RequestSubmission, ContinuationScoring, RolloutControl, GenerationLoop):
+class ContinuousBatchingManager(RequestSubmission, ResultReading, ContinuationScoring, RolloutControl,
+                                GenerationLoop):
     """Serves generation requests with continuous batching on a background thread.
 
     Create it directly or through `model.init_continuous_batching()` after `cbcore.enable(model)`:
@@ -155,20 +156,6 @@ class ContinuousBatchingManager(RequestSubmission, ContinuationScoring, RolloutC
         self.is_tp_driver = self._tensor_parallel is None or self._tensor_parallel.is_driver
 
     # ------------------------------------------------------------------------------------------------ set-up ----
-
-    def grammar_engine(self) -> GrammarEngine:
-        """The grammar engine of structured output for this model's tokenizer (cbcore/grammar.py), made on first
-        use; ValueError when there is no tokenizer to make it from."""
-        if self._grammar_engine is None:
-            if self.tokenizer is None:
-                self.tokenizer = _load_tokenizer(self.model)
-            embeddings = self.model.get_output_embeddings()
-            vocab_size = (embeddings.weight.shape[0] if embeddings is not None
-                          else self.model.get_input_embeddings().num_embeddings)
-            eos = self.default_eos_token_id
-            stop_ids = tuple(t for t in ([eos] if isinstance(eos, int) else eos or ()) if t >= 0)
-            self._grammar_engine = engine_for(self.tokenizer, vocab_size, stop_ids)
-        return self._grammar_engine
 
     def switch_to_cb_friendly_attn(self, model: torch.nn.Module, auto_switch_to_flash: bool = True) -> None:
         """Point the model's attention at cbcore's paged attention (handed back when the loop ends), building the
@@ -418,50 +405,6 @@ class ContinuousBatchingManager(RequestSubmission, ContinuationScoring, RolloutC
         if self._tensor_parallel is not None:
             self._tensor_parallel.destroy()
 
-    # --------------------------------------------------------------------------------------------- results ----
-
-    def register_result_handler(self, request_id: str, callback: Callable[[GenerationOutput], Any]) -> None:
-        """Deliver this request's outputs (every snapshot when streaming, else the final one) by calling
-        `callback(output)` on the running asyncio loop, through `call_soon_threadsafe`. Must be called from inside
-        that loop. The handler is removed after the terminal output. Outputs exist on the tensor-parallel driver
-        only: on another rank nothing is registered (no output would ever call it)."""
-        request_id = request_inputs.known_request_id(request_id, "register_result_handler: request_id")
-        if not callable(callback):
-            raise TypeError(f"register_result_handler: callback must be callable, got {type(callback).__name__}")
-        if not self.is_tp_driver:
-            return
-        loop = asyncio.get_running_loop()
-        self.output_router.register_handler(request_id, callback, loop)
-
-    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
-        """The next output (of `request_id` when given), waiting up to `timeout` seconds. None on timeout, or when
-        the loop is not running and nothing is left to read. Unlike transformers, asking for one request never
-        returns None just because another request's output came first."""
-        if request_id is not None:
-            request_id = request_inputs.known_request_id(request_id, "get_result: request_id")
-        timeout = request_inputs.timeout_seconds(timeout, "get_result: timeout")
-        return self.output_router.get(request_id, timeout, self.is_running)
-
-    def __iter__(self) -> Generator[GenerationOutput]:
-        """Yield outputs as they arrive, while the loop runs."""
-        while self.is_running() or not self.output_router.empty():
-            result = self.get_result(timeout=0.1)
-            if result is not None:
-                yield result
-
-    def request_id_iter(self, request_id: str) -> Generator[GenerationOutput]:
-        """Yield the outputs of one request (snapshots when streaming) until its terminal output. A `request_id` that
-        is not a str raises TypeError here, at the call, not at the first `next()`."""
-        return self._outputs_of(request_inputs.known_request_id(request_id, "request_id_iter: request_id"))
-
-    def _outputs_of(self, request_id: str) -> Generator[GenerationOutput]:
-        while self.is_running() or not self.output_router.empty():
-            result = self.get_result(request_id=request_id, timeout=0.1)
-            if result is not None:
-                yield result
-                if result.is_finished():
-                    return
-
     # ------------------------------------------------------------------------------------------ inspection ----
 
     def check_invariants(self) -> None:
@@ -475,8 +418,9 @@ class ContinuousBatchingManager(RequestSubmission, ContinuationScoring, RolloutC
         blocks free / cached (unused) / used; prefix-cache lookups, hits, hit rate and prompt tokens it saved;
         evictions; preemptions (swapped or recomputed); swaps out / in with bytes, host blocks free (for swap, counting
         the tier's), and the host tier's blocks kept, hits and drops (with `cpu_offload_space`); admissions deferred to
-        share an in-flight prefix; for a model with stateful layers, its state slots (all, free) and their bytes. Safe to call from any thread (a snapshot that may be one step stale while the loop
-        runs); empty before the engine is built."""
+        share an in-flight prefix; for a model with stateful layers, its state slots (all, free) and their bytes;
+        structured output's steps and seconds spent on its masks. Safe to call from any thread (a snapshot that may
+        be one step stale while the loop runs); empty before the engine is built."""
         return self.engine.stats() if self.engine is not None else {}
 
     @property
@@ -494,16 +438,3 @@ class ContinuousBatchingManager(RequestSubmission, ContinuationScoring, RolloutC
         """How many times a running request was preempted to make room."""
         return self.scheduler.num_preemptions if self.scheduler else 0
 
-
-def _load_tokenizer(model: torch.nn.Module) -> Any:
-    """The tokenizer saved with `model` (its `name_or_path`, local files only), for structured output."""
-    from transformers import AutoTokenizer
-
-    source = getattr(model, "name_or_path", "") or ""
-    try:
-        return AutoTokenizer.from_pretrained(source, local_files_only=True)
-    except (OSError, ValueError, TypeError) as error:
-        raise ValueError(
-            f"structured_output needs the model's tokenizer, and none loads from the model's name_or_path "
-            f"{source!r} ({type(error).__name__}); pass it: ContinuousBatchingManager(..., tokenizer=tokenizer)"
-        ) from None

@@ -13,8 +13,10 @@ import queue
 import time
 from typing import Any
 
+import torch
+
 from .. import request_inputs
-from ..grammar import GrammarError
+from ..grammar import GrammarEngine, GrammarError, engine_for
 from ..request_inputs import PROMPT_LOGPROBS_KWARG
 from ..requests import RequestState
 from ..sampling_controls import CONTROL_KWARGS
@@ -142,6 +144,20 @@ class RequestSubmission:
             self.cancel_queue.put(request_id)
         self._wake_up_loop.set()
 
+    def grammar_engine(self) -> GrammarEngine:
+        """The grammar engine of structured output for this model's tokenizer (cbcore/grammar.py), made on first
+        use; ValueError when there is no tokenizer to make it from."""
+        if self._grammar_engine is None:
+            if self.tokenizer is None:
+                self.tokenizer = _load_tokenizer(self.model)
+            embeddings = self.model.get_output_embeddings()
+            vocab_size = (embeddings.weight.shape[0] if embeddings is not None
+                          else self.model.get_input_embeddings().num_embeddings)
+            eos = self.default_eos_token_id
+            stop_ids = tuple(t for t in ([eos] if isinstance(eos, int) else eos or ()) if t >= 0)
+            self._grammar_engine = engine_for(self.tokenizer, vocab_size, stop_ids)
+        return self._grammar_engine
+
     def _checked_processor_kwargs(self, kwargs: dict[str, Any], label: str) -> dict[str, Any]:
         return request_inputs.processor_kwargs(
             kwargs,
@@ -226,3 +242,17 @@ class RequestSubmission:
                 raise queue.Full(f"request {state.request_id}: the input queue is full (max_queue_size)")
             with self.input_queue.not_full:
                 self.input_queue.not_full.wait(timeout=min(remaining, 0.05))
+
+
+def _load_tokenizer(model: torch.nn.Module) -> Any:
+    """The tokenizer saved with `model` (its `name_or_path`, local files only), for structured output."""
+    from transformers import AutoTokenizer
+
+    source = getattr(model, "name_or_path", "") or ""
+    try:
+        return AutoTokenizer.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError, TypeError) as error:
+        raise ValueError(
+            f"structured_output needs the model's tokenizer, and none loads from the model's name_or_path "
+            f"{source!r} ({type(error).__name__}); pass it: ContinuousBatchingManager(..., tokenizer=tokenizer)"
+        ) from None

@@ -32,15 +32,15 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ...grammar import GrammarError
 from ...sampling_controls import token_problem
-from .constraints import CONSTRAINT_FIELDS, request_constraint
+from .constraints import constrain
 from .generation import EngineUnavailable, Generation
 from .metrics import ServerMetrics
 from .protocol import ProtocolError, SamplingParams, parse_chat, parse_completion
 from .responses import ChoiceText, ResponseBuilder, sse
+from .prompts import apply_chat_template, bad_word_ids, encode_text, fit
 from .rollout_routes import add_rollout_routes
-from .tools import ToolRequest, parse_tools, response_template
+from .tools import ToolRequest, parse_tools, parser_template
 
 logger = logging.getLogger("cbcore.serve")
 
@@ -150,8 +150,8 @@ def create_app(state: ServerState) -> FastAPI:
         body = await _json(request)
         parsed = parse_completion(body)
         _check_model(state, parsed.model)
-        _constrain(state, parsed.params, body)
-        prompts = [_encode_text(state, p) if isinstance(p, str) else p for p in parsed.prompts]
+        constrain(state.manager, parsed.params, body)
+        prompts = [encode_text(state.tokenizer, p) if isinstance(p, str) else p for p in parsed.prompts]
         return await _serve(request, state, metrics, "completion", prompts, parsed.params, parsed.stream,
                             parsed.include_usage)
 
@@ -161,9 +161,10 @@ def create_app(state: ServerState) -> FastAPI:
         parsed = parse_chat(body)
         _check_model(state, parsed.model)
         tools = parse_tools(body)
-        _constrain(state, parsed.params, body, tools)
-        template = _tool_parser_template(state, tools) if tools is not None and tools.choice == "auto" else None
-        prompt = _apply_chat_template(state, parsed.messages, tools.tools if tools is not None else None)
+        constrain(state.manager, parsed.params, body, tools)
+        auto = tools is not None and tools.choice == "auto"
+        template = parser_template(state.tokenizer, state.manager.model) if auto else None
+        prompt = apply_chat_template(state.tokenizer, parsed.messages, tools.tools if tools is not None else None)
         return await _serve(request, state, metrics, "chat", [prompt], parsed.params, parsed.stream,
                             parsed.include_usage, tools if tools is not None and tools.choice != "none" else None,
                             template)
@@ -198,96 +199,6 @@ def _check_model(state: ServerState, model: str | None) -> None:
                             param="model", code="model_not_found", status_code=404)
 
 
-def _encode_text(state: ServerState, text: str) -> list[int]:
-    """Plain text with the tokenizer's usual special tokens, as `python -m cbcore generate` encodes it."""
-    ids = list(state.tokenizer(text)["input_ids"])
-    if not ids:
-        raise ProtocolError("the prompt encodes to no tokens", param="prompt", code="invalid_value")
-    return ids
-
-
-def _constrain(state: ServerState, params: SamplingParams, body: dict, tools: ToolRequest | None = None) -> None:
-    """The request's constraint (constraints.py; or the grammar of tool_choice required / a named function) on
-    `params`, compiled now so that one that does not compile is a 400 naming its field (compiled grammars are
-    cached: a schema sent again costs nothing)."""
-    constraint = request_constraint(body)
-    source = next((name for name in CONSTRAINT_FIELDS if body.get(name) is not None), None)
-    forced = tools.constraint() if tools is not None else None
-    if forced is not None:
-        if constraint is not None:
-            raise ProtocolError(f"tool_choice {tools.choice!r} (a function or 'required') constrains the output to "
-                                f"tool calls; leave '{source}' out", param=source, code="invalid_value")
-        constraint, source = forced, "tools"
-    if params.stop and tools is not None and tools.choice != "none":
-        raise ProtocolError("'stop' with tools is not supported: a stop string could cut a tool call short; leave "
-                            "it out", param="stop", code="unsupported_parameter")
-    if constraint is None:
-        return
-    try:
-        state.manager.grammar_engine().compile(constraint)
-    except GrammarError as error:
-        reason = str(error).split("does not compile: ", 1)[-1]
-        raise ProtocolError(f"'{source}' does not compile ({constraint.kind}): {reason}", param=source,
-                            code="invalid_value") from None
-    params.structured_output, params.constraint_field = constraint, source
-
-
-def _tool_parser_template(state: ServerState, tools: ToolRequest) -> dict:
-    """transformers' response template that finds this model's tool calls (tool_choice "auto"); a 400 without."""
-    template = response_template(state.tokenizer, state.manager.model)
-    if template is None:
-        raise ProtocolError(
-            f"tool_choice 'auto' needs a parser of this model's tool calls, and transformers has none for it (no "
-            f"response_template on its tokenizer, none for model type {state.manager.model.config.model_type!r}); "
-            "use tool_choice 'required' or a named function, which a grammar enforces for any model",
-            param="tool_choice", code="unsupported_parameter")
-    return template
-
-
-def _apply_chat_template(state: ServerState, messages: list[dict[str, Any]],
-                         tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """The chat template's text (it carries its own special tokens, so none are added when encoding), with the
-    tools rendered as the template renders them."""
-    if not getattr(state.tokenizer, "chat_template", None):
-        raise ProtocolError("this model's tokenizer has no chat template; use /v1/completions", param="messages",
-                            code="no_chat_template")
-    try:
-        text = state.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
-    except Exception as error:  # jinja's TemplateError and friends: the template refused these messages
-        raise ProtocolError(f"the chat template refused the messages: {error}", param="messages",
-                            code="invalid_value") from error
-    ids = list(state.tokenizer(text, add_special_tokens=False)["input_ids"])
-    if not ids:
-        raise ProtocolError("the messages encode to no tokens", param="messages", code="invalid_value")
-    return ids
-
-
-def _fit(state: ServerState, prompts: list[list[int]], params: SamplingParams) -> SamplingParams:
-    """Check the prompts against the vocabulary and the context; fill in max_tokens when none was given (chat):
-    what is left of the context after the longest prompt."""
-    for prompt in prompts:
-        bad = next((t for t in prompt if t >= state.vocab_size), None)
-        if bad is not None:
-            raise ProtocolError(f"token id {bad} is outside the vocabulary (size {state.vocab_size})",
-                                param="prompt", code="invalid_value")
-    longest = max(len(p) for p in prompts)
-    room = state.max_context - longest
-    if room < 1:
-        raise ProtocolError(
-            f"This model's maximum context length is {state.max_context} tokens, but the prompt has {longest} "
-            "tokens, leaving no room to generate", param="messages" if params.max_tokens is None else "prompt",
-            code="context_length_exceeded")
-    if params.max_tokens is None:
-        params.max_tokens = room
-    elif longest + params.max_tokens > state.max_context:
-        raise ProtocolError(
-            f"This model's maximum context length is {state.max_context} tokens. However, you requested "
-            f"{longest + params.max_tokens} tokens ({longest} in the prompt, {params.max_tokens} for the "
-            "completion). Please reduce the prompt or max_tokens.", param="max_tokens",
-            code="context_length_exceeded")
-    return params
-
-
 def _check_capacity(state: ServerState, generation_size: int, waiting: float) -> None:
     if state.sleeping:
         raise EngineUnavailable("the engine is asleep (POST /sleep); POST /wake_up first")
@@ -312,24 +223,12 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-def _bad_word_ids(state: ServerState, words: list[str]) -> list[list[int]]:
-    """Each bad word's token ids as the tokenizer encodes it alone and after a space (mid-text, most tokenizers
-    fold the space into the word's first token), as vLLM tokenizes `bad_words`."""
-    sequences: list[list[int]] = []
-    for word in words:
-        for text in (word, " " + word):
-            ids = list(state.tokenizer(text, add_special_tokens=False)["input_ids"])
-            if ids and ids not in sequences:
-                sequences.append(ids)
-    return sequences
-
-
 async def _serve(request: Request, state: ServerState, metrics: ServerMetrics, kind: str,
                  prompts: list[list[int]], params: SamplingParams, stream: bool, include_usage: bool,
                  tools: ToolRequest | None = None, response_template: dict | None = None):
-    params = _fit(state, prompts, params)
+    params = fit(prompts, params, state.vocab_size, state.max_context)
     if params.bad_words:
-        params.controls["bad_words_ids"] = _bad_word_ids(state, params.bad_words)
+        params.controls["bad_words_ids"] = bad_word_ids(state.tokenizer, params.bad_words)
     problem = token_problem(params.controls, state.vocab_size)
     if problem is not None:
         raise ProtocolError(problem, param=problem.split()[0], code="invalid_value")

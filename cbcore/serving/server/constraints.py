@@ -13,8 +13,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ...grammar import GrammarError
 from ...structured_output import StructuredOutput, structured_output
-from .protocol import ProtocolError
+from .protocol import ProtocolError, SamplingParams
+from .tools import ToolRequest
 
 # vLLM's `structured_outputs` fields that cbcore's grammar engine honours as they are, and those that change nothing
 # with xgrammar (there is no fallback engine; xgrammar's strict mode already allows no unlisted property).
@@ -116,3 +118,29 @@ def request_constraint(body: dict) -> StructuredOutput | None:
     if len(found) > 1:
         raise _invalid(f"give one constraint per request, got {[name for name, _ in found]}", found[1][0])
     return found[0][1] if found else None
+
+
+def constrain(manager: Any, params: SamplingParams, body: dict, tools: ToolRequest | None = None) -> None:
+    """The request's constraint (constraints.py; or the grammar of tool_choice required / a named function) on
+    `params`, compiled now so that one that does not compile is a 400 naming its field (compiled grammars are
+    cached: a schema sent again costs nothing)."""
+    constraint = request_constraint(body)
+    source = next((name for name in CONSTRAINT_FIELDS if body.get(name) is not None), None)
+    forced = tools.constraint() if tools is not None else None
+    if forced is not None:
+        if constraint is not None:
+            raise ProtocolError(f"tool_choice {tools.choice!r} (a function or 'required') constrains the output to "
+                                f"tool calls; leave '{source}' out", param=source, code="invalid_value")
+        constraint, source = forced, "tools"
+    if params.stop and tools is not None and tools.choice != "none":
+        raise ProtocolError("'stop' with tools is not supported: a stop string could cut a tool call short; leave "
+                            "it out", param="stop", code="unsupported_parameter")
+    if constraint is None:
+        return
+    try:
+        manager.grammar_engine().compile(constraint)
+    except GrammarError as error:
+        reason = str(error).split("does not compile: ", 1)[-1]
+        raise ProtocolError(f"'{source}' does not compile ({constraint.kind}): {reason}", param=source,
+                            code="invalid_value") from None
+    params.structured_output, params.constraint_field = constraint, source

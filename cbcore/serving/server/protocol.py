@@ -21,7 +21,6 @@ among preemption victims (cbcore/scheduler.py); every choice of a request has it
 
 from __future__ import annotations
 
-import json
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -30,34 +29,13 @@ from typing import Any
 from ...sampling import LOGPROBS_MODES
 from ...sampling_controls import check_controls
 from ...structured_output import StructuredOutput
+from .errors import ProtocolError
 from .fields import CHAT, COMPLETIONS, refusal
+from .messages import chat_messages
 
 # OpenAI caps `stop` at 4 sequences; `n` and `top_logprobs` at 128 and 20.
 MAX_STOP_SEQUENCES = 4
 MAX_N = 128
-
-
-class ProtocolError(Exception):
-    """A request the server will not run: answered with OpenAI's error body."""
-
-    def __init__(
-        self,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        status_code: int = 400,
-        error_type: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
-        self.status_code = status_code
-        self.error_type = error_type
-
-    def body(self) -> dict[str, Any]:
-        """OpenAI's error body."""
-        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
 
 
 @dataclass
@@ -365,7 +343,7 @@ def parse_chat(body: Any) -> ChatRequest:
     alternatives at each step."""
     body = _body(body)
     _refuse_unsupported(body, CHAT)
-    messages = _messages(body.get("messages"))
+    messages = chat_messages(body.get("messages"))
     logprobs = _bool_field(body, "logprobs")
     top_logprobs = _int_field(body, "top_logprobs", 0, 20)
     if top_logprobs is not None and not logprobs:
@@ -384,65 +362,3 @@ def parse_chat(body: Any) -> ChatRequest:
         stream=stream,
         include_usage=_stream_options(body, stream),
     )
-
-
-def _messages(value: Any) -> list[dict[str, Any]]:
-    if not isinstance(value, list) or not value:
-        raise ProtocolError("'messages' must be a non-empty list", param="messages", code="invalid_type")
-    messages = []
-    for index, message in enumerate(value):
-        where = f"messages[{index}]"
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ProtocolError(f"'{where}' must be an object with a string 'role'", param=where, code="invalid_type")
-        content = message.get("content")
-        extra = _tool_fields(message, where)
-        if content is None and "tool_calls" in extra:
-            content = ""  # an assistant turn that only called tools
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise ProtocolError(f"'{where}.content': only text parts are supported", param=f"{where}.content",
-                                        code="unsupported_parameter")
-                texts.append(part["text"])
-            content = "".join(texts)
-        if not isinstance(content, str):
-            raise ProtocolError(f"'{where}.content' must be a string or a list of text parts",
-                                param=f"{where}.content", code="invalid_type")
-        messages.append({"role": message["role"], "content": content, **extra})
-    return messages
-
-
-def _tool_fields(message: dict, where: str) -> dict[str, Any]:
-    """A message's tool fields for the chat template: an assistant's `tool_calls` (their JSON `arguments` as
-    objects, which chat templates expect), a tool result's `tool_call_id` and `name`."""
-    extra: dict[str, Any] = {}
-    calls = message.get("tool_calls")
-    if calls is not None:
-        if not isinstance(calls, list):
-            raise ProtocolError(f"'{where}.tool_calls' must be a list", param=f"{where}.tool_calls",
-                                code="invalid_type")
-        parsed = []
-        for call in calls:
-            function = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-                raise ProtocolError(f"'{where}.tool_calls' entries must be {{'function': {{'name', 'arguments'}}}}",
-                                    param=f"{where}.tool_calls", code="invalid_type")
-            arguments = function.get("arguments", {})
-            if isinstance(arguments, str):
-                try:
-                    arguments = json.loads(arguments) if arguments else {}
-                except ValueError:
-                    raise ProtocolError(f"'{where}.tool_calls': arguments of {function['name']!r} are not JSON",
-                                        param=f"{where}.tool_calls", code="invalid_value") from None
-            parsed.append({"id": call.get("id"), "type": "function",
-                           "function": {"name": function["name"], "arguments": arguments}})
-        extra["tool_calls"] = parsed
-    for name in ("tool_call_id", "name"):
-        value = message.get(name)
-        if value is not None:
-            if not isinstance(value, str):
-                raise ProtocolError(f"'{where}.{name}' must be a string", param=f"{where}.{name}",
-                                    code="invalid_type")
-            extra[name] = value
-    return extra

@@ -142,6 +142,19 @@ def response_template(tokenizer: Any, model: Any) -> dict | None:
     return get_response_template(tokenizer, model if takes_model else model.config)
 
 
+def parser_template(tokenizer: Any, model: Any) -> dict:
+    """transformers' response template that finds this model's tool calls (tool_choice "auto"); a 400 without."""
+    template = response_template(tokenizer, model)
+    if template is None:
+        raise ProtocolError(
+            f"tool_choice 'auto' needs a parser of this model's tool calls, and transformers has none for it (no "
+            f"response_template on its tokenizer, none for model type {model.config.model_type!r}); "
+            "use tool_choice 'required' or a named function, which a grammar enforces for any model",
+            param="tool_choice", code="unsupported_parameter")
+    return template
+
+
+
 @dataclass
 class Extracted:
     """What a choice's new text holds: message content, reasoning, and tool calls completed."""
