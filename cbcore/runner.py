@@ -220,7 +220,7 @@ class ModelRunner:
         `[len(emitted), vocab]`, then any prompt-scoring rows; None when no row is kept) and the indices in
         `plan.requests` of the requests whose rows emit. The plan's block
         copies must have been issued (`copy_blocks`). `step_hook` may wrap the step metadata before the forward (the
-        start-up self-check counts attention calls through it, cbcore/model_support.py)."""
+        start-up self-check counts attention calls through it, cbcore/model_self_check.py)."""
         input_ids, position_ids, step, kept_rows, emitted = self.prepare(plan)
         if step_hook is not None:
             step = step_hook(step)

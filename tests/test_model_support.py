@@ -1,6 +1,6 @@
-"""Model support (cbcore/model_support.py) as the manager applies it: a model cbcore cannot serve exactly is refused at
-`warmup()`/`start()` with an error naming it, the model is left exactly as it was, and the start-up self-check leaves
-the engine's cache, allocator and counters untouched."""
+"""Model support (cbcore/model_support.py, cbcore/model_self_check.py) as the manager applies it: a model cbcore
+cannot serve exactly is refused at `warmup()`/`start()` with an error naming it, the model is left exactly as it was,
+and the start-up self-check leaves the engine's cache, allocator and counters untouched."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import torch
 
 import architecture_sweep as sweep
 import cbcore
-from cbcore import model_support
-from cbcore.model_support import SELF_CHECK_ENV, UnsupportedModelError
+from cbcore import model_self_check, model_support
+from cbcore.model_self_check import SELF_CHECK_ENV
+from cbcore.model_support import UnsupportedModelError
 from conftest import collect_outputs, greedy_config, random_prompts, reference_tokens, tiny_model
 
 
@@ -95,7 +96,7 @@ def test_the_self_check_can_be_skipped_and_a_bad_value_raises(monkeypatch) -> No
     manager.stop(block=True, timeout=60)
     monkeypatch.setenv(SELF_CHECK_ENV, "maybe")
     with pytest.raises(ValueError, match=SELF_CHECK_ENV):
-        model_support.self_check_enabled()
+        model_self_check.self_check_enabled()
 
 
 def test_a_decoder_computing_its_own_positions_gets_the_steps_positions_only_inside_steps() -> None:
@@ -149,7 +150,7 @@ def test_a_decoder_without_logits_to_keep_is_served_from_every_rows_logits() -> 
     (None, None),
 ])
 def test_a_paged_spelling_is_checked_against_its_non_paged_implementation(loaded, reference) -> None:
-    assert model_support.reference_attn_implementation(loaded) == reference
+    assert model_self_check.reference_attn_implementation(loaded) == reference
 
 
 def test_a_name_registered_for_a_transformers_paged_function_maps_to_its_implementation() -> None:
@@ -157,19 +158,19 @@ def test_a_name_registered_for_a_transformers_paged_function_maps_to_its_impleme
     from transformers.integrations.eager_paged import eager_paged_attention_forward
 
     AttentionInterface.register("cbcore_test_eager_paged", eager_paged_attention_forward)
-    assert model_support.reference_attn_implementation("cbcore_test_eager_paged") == "eager"
+    assert model_self_check.reference_attn_implementation("cbcore_test_eager_paged") == "eager"
 
 
 @pytest.mark.parametrize("name", ["paged|", "paged", "sdpa_paged", "paged_attention"])
 def test_a_paged_implementation_without_a_known_equivalent_is_refused(name: str) -> None:
     with pytest.raises(ValueError, match=f"{re.escape(repr(name))}.*no"):
-        model_support.reference_attn_implementation(name)
+        model_self_check.reference_attn_implementation(name)
 
 
 def test_the_self_check_refuses_a_paged_implementation_without_an_equivalent_naming_the_model() -> None:
     model = sweep.build_model("llama")
     with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM.*'sdpa_paged'.*no non-paged"):
-        model_support.self_check(model, "sdpa_paged", force=True)
+        model_self_check.self_check(model, "sdpa_paged", force=True)
 
 
 @pytest.mark.parametrize("model_type, loaded", [

@@ -17,7 +17,8 @@ import torch
 
 from .. import attention
 from ..linear import PackedLinears
-from ..model_support import language_root, reference_attn_implementation
+from ..model_self_check import reference_attn_implementation
+from ..model_support import language_root
 from ..positions import StepPositions
 from ..state_layers import StateLayers
 
@@ -86,7 +87,7 @@ class ModelBinding:
 
 def _outside_steps_implementation(original: str | None) -> str | None:
     """What a bound model's layers run outside cbcore's steps: the true function of its original implementation
-    (cbcore/model_support.py), or the original itself when that has none (the self-check refuses such a model at
+    (cbcore/model_self_check.py), or the original itself when that has none (the self-check refuses such a model at
     `start()`, before it serves anything)."""
     try:
         return reference_attn_implementation(original)

@@ -44,7 +44,8 @@ from ..config import ContinuousBatchingConfig, as_cbcore_config
 from ..distributed import join_group
 from ..engine import EngineCore
 from ..grammar import GrammarEngine
-from ..model_support import check_model_supported, self_check, self_check_enabled
+from ..model_self_check import self_check, self_check_enabled
+from ..model_support import check_model_supported
 from ..openmp_team import release_caller_openmp_team
 from ..outputs import OutputRouter
 from ..requests import RequestState
@@ -174,7 +175,7 @@ class ContinuousBatchingManager(RequestSubmission, ResultReading, ContinuationSc
     def _original_attn_impl(self) -> str | None:
         """The attention implementation the model was loaded with, while cbcore's is attached (else None): what
         stopping hands back, exactly (`paged|eager` stays `paged|eager`). The self-check compares cbcore's steps with
-        the function it stands for (`model_support.reference_attn_implementation`: `eager` for `paged|eager`)."""
+        the function it stands for (`model_self_check.reference_attn_implementation`: `eager` for `paged|eager`)."""
         return self.engine.binding.original_attn_implementation if self.engine is not None else None
 
     @property
