@@ -1,10 +1,11 @@
-"""`ContinuousBatchingManager`: construction, the engine it builds, start / stop / join / destroy, counters.
+"""`ContinuousBatchingManager`: construction, the engine it builds, start / stop / join / destroy.
 
 One background thread owns all engine state (scheduler, cache, runner). Public methods may be called from any
 thread; they only talk to the loop through queues, events and one lock. The manager inherits the parts that meet
 there: the callers' `add_request` / `add_requests` / `cancel_request` (`submission.py`), their reading of outputs
-(`results.py`) and the loop thread with `pause()` (`generation_loop.py`); and scoring (`scoring.py`) and the
-rollout controls (`rollout.py`) built on them. Every request ends with exactly one terminal output: FINISHED, FAILED or CANCELLED.
+(`results.py`) and of the engine's state (`inspection.py`), the loop thread with `pause()` (`generation_loop.py`),
+and scoring (`scoring.py`) and the rollout controls (`rollout.py`) built on them. Every request ends with exactly one
+terminal output: FINISHED, FAILED or CANCELLED.
 
 Lifecycle, and who may touch the model when:
 
@@ -39,7 +40,6 @@ from transformers import GenerationConfig
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from .. import request_inputs
-from ..cache import PagedKVCache
 from ..config import ContinuousBatchingConfig, as_cbcore_config
 from ..distributed import join_group
 from ..engine import EngineCore
@@ -49,11 +49,9 @@ from ..model_support import check_model_supported
 from ..openmp_team import release_caller_openmp_team
 from ..outputs import OutputRouter
 from ..requests import RequestState
-from ..runner import ModelRunner
-from ..scheduler import Scheduler
-from .batch_processor_view import BatchProcessorView
 from .generation_config import prepare_generation_config
 from .generation_loop import BackgroundThreadStatus, GenerationLoop, StopMode
+from .inspection import EngineInspection
 from .request_registry import RequestRegistry
 from .results import ResultReading
 from .rollout import RolloutControl
@@ -63,8 +61,8 @@ from .submission import RequestSubmission
 logger = logging.getLogger("cbcore")
 
 
-class ContinuousBatchingManager(RequestSubmission, ResultReading, ContinuationScoring, RolloutControl,
-                                GenerationLoop):
+class ContinuousBatchingManager(RequestSubmission, ResultReading, EngineInspection, ContinuationScoring,
+                                RolloutControl, GenerationLoop):
     """Serves generation requests with continuous batching on a background thread.
 
     Create it directly or through `model.init_continuous_batching()` after `cbcore.enable(model)`:
@@ -210,28 +208,6 @@ class ContinuousBatchingManager(RequestSubmission, ResultReading, ContinuationSc
             tensor_parallel=self._tensor_parallel,
         )
         self._engine_needs_rebuild = False
-
-    @property
-    def batch_processor(self) -> BatchProcessorView | None:
-        """What transformers' serving layer reads of its manager's batch processor (the scheduler's active and waiting
-        requests, the cache's free capacity: `batch_processor_view.py`); None until the engine is built, as
-        transformers' attribute is None until its processor is."""
-        return BatchProcessorView(self.engine) if self.engine is not None else None
-
-    @property
-    def cache(self) -> PagedKVCache | None:
-        """The engine's paged KV cache (None until the engine is built)."""
-        return self.engine.cache if self.engine is not None else None
-
-    @property
-    def scheduler(self) -> Scheduler | None:
-        """The engine's scheduler (None until the engine is built)."""
-        return self.engine.scheduler if self.engine is not None else None
-
-    @property
-    def runner(self) -> ModelRunner | None:
-        """The engine's model runner (None until the engine is built)."""
-        return self.engine.runner if self.engine is not None else None
 
     def warmup(self) -> None:
         """Build the engine (cache, scheduler, runner) ahead of the first request and, when the step is compiled
@@ -405,37 +381,3 @@ class ContinuousBatchingManager(RequestSubmission, ResultReading, ContinuationSc
         self.engine = None
         if self._tensor_parallel is not None:
             self._tensor_parallel.destroy()
-
-    # ------------------------------------------------------------------------------------------ inspection ----
-
-    def check_invariants(self) -> None:
-        """Assert the allocator's invariants and that block refcounts equal the block tables holding them. Call it
-        when the loop is stopped (the loop thread owns the engine state while it runs)."""
-        if self.engine is not None:
-            self.engine.check()
-
-    def stats(self) -> dict[str, int | float]:
-        """Counters to log, since the engine was built: steps; computed, prompt, recomputed and generated tokens;
-        blocks free / cached (unused) / used; prefix-cache lookups, hits, hit rate and prompt tokens it saved;
-        evictions; preemptions (swapped or recomputed); swaps out / in with bytes, host blocks free (for swap, counting
-        the tier's), and the host tier's blocks kept, hits and drops (with `cpu_offload_space`); admissions deferred to
-        share an in-flight prefix; for a model with stateful layers, its state slots (all, free) and their bytes;
-        structured output's steps and seconds spent on its masks. Safe to call from any thread (a snapshot that may
-        be one step stale while the loop runs); empty before the engine is built."""
-        return self.engine.stats() if self.engine is not None else {}
-
-    @property
-    def current_batch(self) -> int:
-        """Steps (forwards) run since the loop last started, as transformers' attribute of that name counts them."""
-        return self.engine.counters["steps"] - self._steps_at_start if self.engine is not None else 0
-
-    @property
-    def prefix_hit_tokens(self) -> int:
-        """Prompt tokens taken from the prefix cache instead of being computed."""
-        return self.scheduler.num_prefix_hit_tokens if self.scheduler else 0
-
-    @property
-    def num_preemptions(self) -> int:
-        """How many times a running request was preempted to make room."""
-        return self.scheduler.num_preemptions if self.scheduler else 0
-
