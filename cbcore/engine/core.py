@@ -34,14 +34,15 @@ from ..distributed.group import TensorParallelGroup
 from ..requests import GenerationOutput, RequestState, RequestStatus, child_request_id
 from ..compiled_step import resolve_compile_configs
 from ..runner import StepResult
-from ..sampling_controls import token_problem
 from ..sampling import LogitsProcessorSwitch, Sampler
 from ..scheduler import SCHEDULING_ORDERS, ScheduledBatch, ScheduledRequest, Scheduler
 from ..state_layers import StatePool, probe_state_specs, state_layer_modules
 from ..state_slots import StateSlots
 from ..switches import env_switch
 from .model_binding import ModelBinding
-from .sizing import absolute_position_limit, allocation_error, gib, plan_num_host_blocks, plan_sizes
+from .allocation import allocate_state_pool, enable_swap
+from .request_checks import check_step_writes, prompt_problem
+from .sizing import absolute_position_limit, allocation_error, plan_sizes
 
 logger = logging.getLogger("cbcore")
 
@@ -94,7 +95,7 @@ class EngineCore:
         # Prefix sharing needs each shared prefix's state too (snapshots at block boundaries), which cbcore does not
         # keep yet: a model with stateful layers computes every prompt whole (forks still share their parent's K/V).
         allow_prefix_sharing = cb_config.allow_block_sharing and not state_specs
-        self.state_pool = self._allocate_state_pool(state_specs, sizes.num_state_slots, device)
+        self.state_pool = allocate_state_pool(state_specs, sizes.num_state_slots, device)
         try:
             self.cache = PagedKVCache(shape, sizes.num_blocks, cb_config.page_size, device, allow_prefix_sharing,
                                       state_slots)
@@ -107,7 +108,7 @@ class EngineCore:
             raise allocation_error(f"KV cache of {sizes.num_blocks} blocks x page_size={cb_config.page_size}", option,
                                    needed, device, error) from error
         if cb_config.cpu_offload_space is None or cb_config.cpu_offload_space > 0:
-            self._enable_swap(shape, cb_config)
+            enable_swap(self.cache, shape, cb_config, tensor_parallel)
         self.scheduler = Scheduler(
             self.cache,
             SCHEDULING_ORDERS[cb_config.scheduler_type](),
@@ -146,54 +147,13 @@ class EngineCore:
         self._weights_signature: int | None = None
         self.debug = env_switch(DEBUG_ENV, default=False)
 
-    @staticmethod
-    def _allocate_state_pool(specs, num_slots: int, device: torch.device) -> StatePool | None:
-        """The stateful layers' states for `num_slots` running requests (None for a model without such layers)."""
-        if not specs:
-            return None
-        try:
-            pool = StatePool(specs, num_slots, device)
-        except (RuntimeError, MemoryError) as error:
-            needed = num_slots * StatePool.bytes_per_slot(specs)
-            option = f"max_requests_per_batch (state slots: {num_slots})"
-            raise allocation_error(f"state pool of {num_slots} slots", option, needed, device, error) from error
-        logger.info(f"cbcore: state pool of {num_slots} slots ({gib(pool.nbytes)} GiB, "
-                    f"{StatePool.bytes_per_slot(specs)} bytes per request over {len(pool.layers)} stateful layers)")
-        return pool
-
-    def _enable_swap(self, shape: CacheShape, cfg: ContinuousBatchingConfig) -> None:
-        bytes_per_block = shape.bytes_per_token * cfg.page_size
-        plan = plan_num_host_blocks(cfg.cpu_offload_space, cfg.cpu_offload_space_safety_threshold, bytes_per_block)
-        num_host_blocks = plan.num_blocks
-        if self._tensor_parallel is not None:
-            (num_host_blocks,) = self._tensor_parallel.agree_min([num_host_blocks], "the number of host blocks")
-        if num_host_blocks < 1:
-            raise ValueError(
-                f"cpu_offload_space={cfg.cpu_offload_space} GiB holds no block of {bytes_per_block} bytes (after the "
-                "cpu_offload_space_safety_threshold cap and what memory is available); raise it or set it to 0 to "
-                "disable swap"
-            )
-        try:
-            self.cache.enable_swap(num_host_blocks)
-        except NotImplementedError:  # a cache shape the pool cannot hold: its own message says what to set
-            raise
-        except (RuntimeError, MemoryError) as error:  # torch raises RuntimeError when the pool's allocation fails
-            raise allocation_error(f"host pool of {num_host_blocks} blocks",
-                                   f"cpu_offload_space={cfg.cpu_offload_space}", num_host_blocks * bytes_per_block,
-                                   torch.device("cpu"), error) from error
-        size = f"host pool of {num_host_blocks} blocks ({gib(num_host_blocks * bytes_per_block)} GiB)"
-        if plan.capped_by is not None:
-            logger.warning(f"cbcore: cpu_offload_space={cfg.cpu_offload_space} GiB capped to a {size} by "
-                           f"{plan.capped_by}")
-        else:
-            logger.info(f"cbcore: {size} for cpu_offload_space={cfg.cpu_offload_space}")
-
     # ---- requests in and out -----------------------------------------------------------------------------------
 
     def add_request(self, state: RequestState) -> list[GenerationOutput]:
         """Queue a request whose arguments were checked (request_inputs). A bad prompt ends it at once: the returned
         list then holds its FAILED output (and its children's)."""
-        problem = self._prompt_problem(state)
+        problem = prompt_problem(state, self._vocab_size, self._position_limit, self.cache,
+                                 type(self.model).__name__)
         if problem is not None:
             state.error = f"request {state.request_id}: {problem}"
             logger.warning(state.error)
@@ -242,43 +202,6 @@ class EngineCore:
         """Every request the core holds (waiting or running)."""
         return self.scheduler.live_requests()
 
-    def _prompt_problem(self, state: RequestState) -> str | None:
-        """What is wrong with a new request's prompt, or None. The arguments' types were checked by `add_request`,
-        so nothing here can raise."""
-        prompt = state.initial_tokens
-        if not prompt:
-            return "empty prompt: input_ids must hold at least one token"
-        vocab = self._vocab_size
-        bad = next((t for t in prompt if t < 0 or t >= vocab), None)
-        if bad is not None:
-            return f"token id {bad} is outside the vocabulary [0, {vocab})"
-        problem = token_problem(state.sampling_controls, vocab)
-        if problem is not None:
-            return problem
-        if state.grammar_problem is not None:
-            return state.grammar_problem
-        capacity = self.cache.capacity_tokens
-        if len(prompt) > capacity:
-            return (
-                f"prompt has {len(prompt)} tokens, but the cache holds at most {capacity} tokens per request "
-                f"(num_blocks={self.cache.num_blocks} x page_size={self.cache.page_size}); raise num_blocks or "
-                "shorten the prompt"
-            )
-        # A longer max_new_tokens is accepted, as transformers accepts it: the request ends FINISHED when it alone
-        # fills the cache (the scheduler's `filled_the_cache`).
-        limit = self._position_limit
-        if limit is not None:
-            # Positions 0 .. len(prompt) + max_new_tokens - 2 are fed (the last token is never fed back).
-            longest = len(prompt) + (state.max_new_tokens - 1 if state.max_new_tokens is not None else 0)
-            if longest > limit:
-                return (
-                    f"prompt has {len(prompt)} tokens and may generate {state.max_new_tokens} more, but "
-                    f"{type(self.model).__name__} has {limit} positions; shorten the prompt or lower max_new_tokens"
-                )
-            if state.max_new_tokens is None:  # unbounded: end at the end of the position table
-                state.new_tokens_limit = min(state.new_tokens_limit, limit - len(prompt) + 1)
-        return None
-
     # ---- the step ----------------------------------------------------------------------------------------------
 
     def step(self) -> list[GenerationOutput]:
@@ -302,7 +225,7 @@ class EngineCore:
         if not batch.requests:
             return outputs
         if self.debug:
-            self._check_batch(batch)
+            check_step_writes(batch, self.cache)
         started = time.perf_counter()
         results, failures = self._execute_isolating_failures(batch.requests)
         for item, error in failures:
@@ -324,21 +247,6 @@ class EngineCore:
         if self.debug:
             self.check()
         return outputs
-
-    def _check_batch(self, batch: ScheduledBatch) -> None:
-        """Debug mode: every block the step writes is inside the cache, in its request's table, and held by that
-        request alone (a shared block written would corrupt another request's K/V: copy-on-write must have run)."""
-        page, allocator = self.cache.page_size, self.cache.allocator
-        for item in batch.requests:
-            state = item.state
-            start, end = state.num_computed_tokens, state.num_computed_tokens + item.num_tokens
-            if self.cache.blocks_for(end) > len(state.block_table):
-                raise AssertionError(f"{state.request_id}: {end} tokens but {len(state.block_table)} blocks")
-            for block in state.block_table[start // page : self.cache.blocks_for(end)]:
-                if not 0 <= block < self.cache.num_blocks or allocator.refcount(block) != 1:
-                    raise AssertionError(
-                        f"{state.request_id} writes block {block} (refcount "
-                        f"{allocator.refcount(block) if 0 <= block < self.cache.num_blocks else 'n/a'}) this step")
 
     def update_from_output(self, batch: ScheduledBatch, results: list[StepResult]) -> list[GenerationOutput]:
         """The one place that advances requests after a step: counters, computed tokens and full blocks committed
