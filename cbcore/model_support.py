@@ -263,3 +263,21 @@ def _attention_reasons(model: torch.nn.Module, config, state_layer_indices: set[
     # A decoder layer or attention module that drops the forward's **kwargs is served too: the step's metadata also
     # travels in a thread-local (attention.paged_step), and the self-check verifies the numbers.
     return reasons
+
+
+def check_stateful_options(model: torch.nn.Module, compile_configs, tensor_parallel) -> None:
+    """Refuse what cbcore does not do yet for a model with stateful layers (the compiled step, tensor parallelism),
+    naming it: `compile_configs` the step's (varlen, decode) configs, `tensor_parallel` its group or None."""
+    name = type(model).__name__
+    if any(config is not None for config in compile_configs):
+        raise NotImplementedError(
+            f"{name} has layers with a per-request state, which cbcore runs per request outside a compiled graph; "
+            "the compiled step is not supported for it yet: leave varlen_compile_config, decode_compile_config and "
+            "default_compile_level unset (or set CBCORE_COMPILE=0)"
+        )
+    if tensor_parallel is not None:
+        raise NotImplementedError(
+            f"{name} has layers with a per-request state; tensor parallelism does not shard their state pool yet: "
+            "serve it on one process"
+        )
+

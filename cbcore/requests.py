@@ -85,6 +85,14 @@ def child_request_id(parent_id: str, index: int) -> str:
     return f"{parent_id}__child#{index}"
 
 
+def split_child_id(request_id: str) -> tuple[str | None, int]:
+    """("req_3", 1) for "req_3__child#1"; (None, -1) for an id that is not a child's."""
+    parent, sep, index = request_id.rpartition("__child#")
+    if not sep or not index.isdigit():
+        return None, -1
+    return parent, int(index)
+
+
 # Stand-in for "no limit" so that the hot path compares ints instead of checking for None (as transformers does).
 NO_TOKEN_LIMIT = 2**31 - 1
 

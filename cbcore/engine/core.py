@@ -31,18 +31,20 @@ from ..config import ContinuousBatchingConfig
 from ..distributed.driver import make_runner
 from ..distributed.errors import TensorParallelError
 from ..distributed.group import TensorParallelGroup
-from ..requests import GenerationOutput, RequestState, RequestStatus, child_request_id
 from ..compiled_step import resolve_compile_configs
+from ..model_support import check_stateful_options
+from ..requests import GenerationOutput, RequestState, RequestStatus, child_request_id, split_child_id
 from ..runner import StepResult
 from ..sampling import LogitsProcessorSwitch, Sampler
 from ..scheduler import SCHEDULING_ORDERS, ScheduledBatch, ScheduledRequest, Scheduler
 from ..state_layers import StatePool, probe_state_specs, state_layer_modules
 from ..state_slots import StateSlots
 from ..switches import env_switch
-from .model_binding import ModelBinding
 from .allocation import allocate_state_pool, enable_swap
+from .model_binding import ModelBinding
 from .request_checks import check_step_writes, prompt_problem
 from .sizing import absolute_position_limit, allocation_error, plan_sizes
+from .stats import engine_stats
 
 logger = logging.getLogger("cbcore")
 
@@ -86,7 +88,7 @@ class EngineCore:
         state_specs = probe_state_specs(model) if state_layer_modules(model) else []
         compile_configs = resolve_compile_configs(cb_config, generation_config)
         if state_specs:
-            _check_stateful_options(model, compile_configs, tensor_parallel)
+            check_stateful_options(model, compile_configs, tensor_parallel)
         sizes = plan_sizes(model, shape, cb_config, workload_hints, StatePool.bytes_per_slot(state_specs))
         if tensor_parallel is not None:  # sized from each rank's own memory; the driver's block ids exist everywhere
             (num_blocks,) = tensor_parallel.agree_min([sizes.num_blocks], "the number of KV-cache blocks")
@@ -387,58 +389,4 @@ class EngineCore:
 
     def stats(self) -> dict[str, int | float]:
         """The counters of `ContinuousBatchingManager.stats()` (see there)."""
-        stats: dict[str, int | float] = dict(self.counters)
-        allocator = self.cache.allocator.stats()
-        scheduler = self.scheduler
-        stats.update(
-            num_blocks=self.cache.num_blocks,
-            blocks_free=allocator["num_free"],
-            blocks_cached=allocator["num_cached_unused"],
-            blocks_used=allocator["num_referenced"],
-            prefix_lookups=allocator["lookups"],
-            prefix_hits=allocator["hits"],
-            prefix_hit_rate=allocator["hits"] / allocator["lookups"] if allocator["lookups"] else 0.0,
-            prefix_hit_tokens=scheduler.num_prefix_hit_tokens,
-            evictions=allocator["evictions"],
-            preemptions=scheduler.num_preemptions,
-            swap_preemptions=scheduler.num_swap_preemptions,
-            recompute_preemptions=scheduler.num_preemptions - scheduler.num_swap_preemptions,
-            deferred_admissions=scheduler.num_deferred_admissions,
-            structured_output_steps=self.runner.sampler.masked_steps,
-            structured_output_mask_seconds=self.runner.sampler.mask_seconds,
-        )
-        swap = self.cache.swap
-        if swap is not None:
-            stats.update(swap.counters)
-            stats.update(swap.tier.counters)
-            stats.update(host_blocks=swap.num_host_blocks, host_blocks_free=swap.num_free,
-                         host_tier_blocks=swap.tier.num_blocks)
-        slots = self.cache.state_slots
-        if slots is not None:
-            stats.update(state_slots=slots.num_slots, state_slots_free=slots.num_free,
-                         state_bytes=self.state_pool.nbytes)
-        return stats
-
-
-def _check_stateful_options(model: torch.nn.Module, compile_configs, tensor_parallel) -> None:
-    """Refuse what cbcore does not do yet for a model with stateful layers, naming it."""
-    name = type(model).__name__
-    if any(config is not None for config in compile_configs):
-        raise NotImplementedError(
-            f"{name} has layers with a per-request state, which cbcore runs per request outside a compiled graph; "
-            "the compiled step is not supported for it yet: leave varlen_compile_config, decode_compile_config and "
-            "default_compile_level unset (or set CBCORE_COMPILE=0)"
-        )
-    if tensor_parallel is not None:
-        raise NotImplementedError(
-            f"{name} has layers with a per-request state; tensor parallelism does not shard their state pool yet: "
-            "serve it on one process"
-        )
-
-
-def split_child_id(request_id: str) -> tuple[str | None, int]:
-    """("req_3", 1) for "req_3__child#1"; (None, -1) for an id that is not a child's."""
-    parent, sep, index = request_id.rpartition("__child#")
-    if not sep or not index.isdigit():
-        return None, -1
-    return parent, int(index)
+        return engine_stats(self)
