@@ -1,7 +1,7 @@
 """The stateful layers' C++ CPU kernels (cbcore._C: causal_conv1d_update / _varlen, gated_delta_rule_recurrent /
 _varlen, mamba2_state_update / mamba2_scan_varlen, mamba_state_update / mamba_scan_varlen) against their plain-torch
-references in cbcore/ops/state_ops.py, which call transformers' own functions per request; then the dispatch of the
-Python faces, the argument checks, and the adapters bound at transformers' seams (cbcore/state_seams.py) against
+references (cbcore/ops/state_reference.py), which call transformers' own functions per request; then the dispatch of
+the Python faces, the argument checks, and the adapters bound at transformers' seams (cbcore/state_seams.py) against
 transformers' functions on the arguments its mixers pass.
 
 Every case runs on a pool with more slots than requests, the requests' slots scattered (not 0..n-1, not in order), so
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from cbcore import state_seams
-from cbcore.ops import state_ops
+from cbcore.ops import state_ops, state_reference
 
 _C = state_ops._state_kernels()
 pytestmark = pytest.mark.skipif(_C is None, reason="cbcore._C was built without the state-op kernels")
@@ -74,7 +74,7 @@ def test_conv_update_matches_transformers_causal_conv1d_update(isa):
     num_slots, slots = scattered_slots(5, generator)
     x, pool, weight, bias = conv_inputs(5, num_slots, torch.float32, seed=1)
     want_pool = pool.clone()
-    want = state_ops.causal_conv1d_update_reference(x, want_pool, slots, weight, bias, "silu")
+    want = state_reference.causal_conv1d_update_reference(x, want_pool, slots, weight, bias, "silu")
     got = _C.causal_conv1d_update(x, pool, slots, weight, bias, "silu")
     assert_close(got, want)
     assert torch.equal(pool, want_pool)
@@ -85,7 +85,7 @@ def test_conv_update_without_bias_or_activation(isa):
     num_slots, slots = scattered_slots(3, generator)
     x, pool, weight, _ = conv_inputs(3, num_slots, torch.float32, seed=3, bias=False)
     want_pool = pool.clone()
-    want = state_ops.causal_conv1d_update_reference(x, want_pool, slots, weight, None, None)
+    want = state_reference.causal_conv1d_update_reference(x, want_pool, slots, weight, None, None)
     assert_close(_C.causal_conv1d_update(x, pool, slots, weight, None, None), want)
     assert torch.equal(pool, want_pool)
 
@@ -99,7 +99,7 @@ def test_conv_varlen_matches_reference_on_ragged_lengths(isa, dtype):
     untouched = [s for s in range(num_slots) if s not in slots.tolist()]
     before = pool.clone()
     want_pool = pool.clone()
-    want = state_ops.causal_conv1d_varlen_reference(x, packed(RAGGED), want_pool, slots, has_initial, weight, bias,
+    want = state_reference.causal_conv1d_varlen_reference(x, packed(RAGGED), want_pool, slots, has_initial, weight, bias,
                                                     "silu")
     got = _C.causal_conv1d_varlen(x, packed(RAGGED), pool, slots, has_initial, weight, bias, "silu")
     assert_close(got, want)
@@ -163,7 +163,7 @@ def test_delta_recurrent_matches_transformers_recurrent_rule(isa):
     num_slots, slots = scattered_slots(6, generator)
     q, k, v, g, beta, pool = rule_inputs(6, num_slots, torch.float32, seed=11)
     want_pool = pool.clone()
-    want = state_ops.gated_delta_rule_recurrent_reference(q, k, v, g, beta, want_pool, slots, True)
+    want = state_reference.gated_delta_rule_recurrent_reference(q, k, v, g, beta, want_pool, slots, True)
     got = _C.gated_delta_rule_recurrent(q, k, v, g, beta, pool, slots, True, DK**-0.5)
     assert_close(got, want)
     assert_close(pool, want_pool)
@@ -178,7 +178,7 @@ def test_delta_varlen_matches_chunked_reference_on_ragged_lengths(isa, dtype):
     untouched = [s for s in range(num_slots) if s not in slots.tolist()]
     before = pool.clone()
     want_pool = pool.clone()
-    want = state_ops.gated_delta_rule_varlen_reference(q, k, v, g, beta, packed(RAGGED), want_pool, slots,
+    want = state_reference.gated_delta_rule_varlen_reference(q, k, v, g, beta, packed(RAGGED), want_pool, slots,
                                                        has_initial, True)
     got = _C.gated_delta_rule_varlen(q, k, v, g, beta, packed(RAGGED), pool, slots, has_initial, True, DK**-0.5)
     assert_close(got, want)
@@ -207,7 +207,7 @@ def test_delta_state_carries_from_prefill_through_decode_steps(isa):
     q, k, v, g, beta, pool = rule_inputs(9, 3, torch.float32, seed=15)
     slots = torch.tensor([0])
     want_pool = pool.clone()
-    want = state_ops.gated_delta_rule_varlen_reference(q, k, v, g, beta, packed([9]), want_pool, slots,
+    want = state_reference.gated_delta_rule_varlen_reference(q, k, v, g, beta, packed([9]), want_pool, slots,
                                                        torch.tensor([False]), True)
     steps = [_C.gated_delta_rule_varlen(q[:4], k[:4], v[:4], g[:4], beta[:4], packed([4]), pool, slots,
                                         torch.tensor([False]), True, DK**-0.5)]
@@ -224,7 +224,7 @@ def test_delta_rule_takes_another_scale_and_no_l2norm(isa):
     q, k, v, g, beta, pool = rule_inputs(3 + 5 + 8, num_slots, torch.float32, seed=17, unit_keys=True)
     cu, has_initial = packed([3, 5, 8]), torch.tensor([True, False, True])
     want_pool = pool.clone()
-    want = state_ops.gated_delta_rule_varlen_reference(q, k, v, g, beta, cu, want_pool, slots, has_initial, False,
+    want = state_reference.gated_delta_rule_varlen_reference(q, k, v, g, beta, cu, want_pool, slots, has_initial, False,
                                                        scale=0.3)
     got = _C.gated_delta_rule_varlen(q, k, v, g, beta, cu, pool, slots, has_initial, False, 0.3)
     assert_close(got, want)
@@ -275,7 +275,7 @@ def test_mamba2_update_matches_transformers_selective_state_update(isa, dtype):
     num_slots, slots = scattered_slots(5, generator)
     x, dt, A, B, C, D, dt_bias, z, pool = ssd_inputs(5, num_slots, dtype, seed=31)
     want_pool = pool.clone()
-    want = state_ops.mamba2_state_update_reference(x, dt, A, B, C, want_pool, slots, D, dt_bias, z, True)
+    want = state_reference.mamba2_state_update_reference(x, dt, A, B, C, want_pool, slots, D, dt_bias, z, True)
     got = _C.mamba2_state_update(x, dt, A, B, C, D, dt_bias, z, True, pool, slots)
     assert_close(got, want)
     torch.testing.assert_close(pool, want_pool, atol=1e-5, rtol=1e-5)  # fp32 in both
@@ -287,7 +287,7 @@ def test_mamba2_update_without_skip_bias_gate_or_softplus(isa):
     x, dt, A, B, C, _, _, _, pool = ssd_inputs(3, num_slots, torch.float32, seed=33)
     dt = dt.abs()
     want_pool = pool.clone()
-    want = state_ops.mamba2_state_update_reference(x, dt, A, B, C, want_pool, slots)
+    want = state_reference.mamba2_state_update_reference(x, dt, A, B, C, want_pool, slots)
     assert_close(_C.mamba2_state_update(x, dt, A, B, C, None, None, None, False, pool, slots), want)
     assert_close(pool, want_pool)
 
@@ -302,7 +302,7 @@ def test_mamba2_scan_matches_chunked_reference_on_ragged_lengths(isa, dtype):
     before = pool.clone()
     want_pool = pool.clone()
     # 16-token chunks: the 70-token request spans five, the last one padded
-    want = state_ops.mamba2_scan_varlen_reference(x, dt, A, B, C, packed(RAGGED), want_pool, slots, has_initial, D,
+    want = state_reference.mamba2_scan_varlen_reference(x, dt, A, B, C, packed(RAGGED), want_pool, slots, has_initial, D,
                                                   dt_bias, True, chunk_size=16)
     got = _C.mamba2_scan_varlen(x, dt, A, B, C, D, dt_bias, True, 0.0, float("inf"), packed(RAGGED), pool, slots,
                                 has_initial)
@@ -316,7 +316,7 @@ def test_mamba2_scan_clamps_dt_to_dt_limit(isa):
     x, dt, A, B, C, D, dt_bias, _, pool = ssd_inputs(9, 2, torch.float32, seed=36)
     slots, has_initial, cu = torch.tensor([1, 0]), torch.tensor([True, False]), packed([4, 5])
     want_pool = pool.clone()
-    want = state_ops.mamba2_scan_varlen_reference(x, dt, A, B, C, cu, want_pool, slots, has_initial, D, dt_bias, True,
+    want = state_reference.mamba2_scan_varlen_reference(x, dt, A, B, C, cu, want_pool, slots, has_initial, D, dt_bias, True,
                                                   dt_limit=(0.3, 0.9), chunk_size=4)
     got = _C.mamba2_scan_varlen(x, dt, A, B, C, D, dt_bias, True, 0.3, 0.9, cu, pool, slots, has_initial)
     assert_close(got, want)
@@ -346,7 +346,7 @@ def test_mamba2_state_carries_from_prefill_through_decode_steps(isa):
     x, dt, A, B, C, D, dt_bias, _, pool = ssd_inputs(9, 3, torch.float32, seed=38)
     slots = torch.tensor([2])
     want_pool = pool.clone()
-    want = state_ops.mamba2_scan_varlen_reference(x, dt, A, B, C, packed([9]), want_pool, slots,
+    want = state_reference.mamba2_scan_varlen_reference(x, dt, A, B, C, packed([9]), want_pool, slots,
                                                   torch.tensor([False]), D, dt_bias, True, chunk_size=4)
     steps = [_C.mamba2_scan_varlen(x[:4], dt[:4], A, B[:4], C[:4], D, dt_bias, True, 0.0, float("inf"), packed([4]),
                                    pool, slots, torch.tensor([False]))]
@@ -386,7 +386,7 @@ def test_mamba_update_matches_transformers_selective_state_update(isa, dtype):
     x, dt, A, B, C, D, dt_bias, z, pool = selective_inputs(5, num_slots, dtype, seed=41)
     D = D.to(dtype)  # the update gets the mixer's D itself, in the model's dtype
     want_pool = pool.clone()
-    want = state_ops.mamba_state_update_reference(x, dt, A, B, C, want_pool, slots, D, dt_bias, z, True)
+    want = state_reference.mamba_state_update_reference(x, dt, A, B, C, want_pool, slots, D, dt_bias, z, True)
     got = _C.mamba_state_update(x, dt, A, B, C, D, dt_bias, z, True, pool, slots)
     assert_close(got, want)
     torch.testing.assert_close(pool, want_pool, atol=1e-5, rtol=1e-5)
@@ -402,7 +402,7 @@ def test_mamba_scan_matches_reference_on_ragged_lengths(isa, dtype):
     untouched = [s for s in range(num_slots) if s not in slots.tolist()]
     before = pool.clone()
     want_pool = pool.clone()
-    want = state_ops.mamba_scan_varlen_reference(x, dt, A, B, C, packed(RAGGED), want_pool, slots, has_initial, D,
+    want = state_reference.mamba_scan_varlen_reference(x, dt, A, B, C, packed(RAGGED), want_pool, slots, has_initial, D,
                                                  dt_bias, z, True)
     got = _C.mamba_scan_varlen(x, dt, A, B, C, D, dt_bias, z, True, packed(RAGGED), pool, slots, has_initial)
     assert got.dtype == torch.float32  # x's dtype promoted with D's (fp32), as transformers' scan
@@ -415,7 +415,7 @@ def test_mamba_scan_with_a_bf16_skip_returns_bf16(isa):
     x, dt, A, B, C, D, dt_bias, z, pool = selective_inputs(6, 2, torch.bfloat16, seed=44)
     slots, has_initial, cu = torch.tensor([0, 1]), torch.tensor([False, False]), packed([2, 4])
     want_pool = pool.clone()
-    want = state_ops.mamba_scan_varlen_reference(x, dt, A, B, C, cu, want_pool, slots, has_initial, D.bfloat16(),
+    want = state_reference.mamba_scan_varlen_reference(x, dt, A, B, C, cu, want_pool, slots, has_initial, D.bfloat16(),
                                                  dt_bias, z, True)
     got = _C.mamba_scan_varlen(x, dt, A, B, C, D.bfloat16(), dt_bias, z, True, cu, pool, slots, has_initial)
     assert_close(got, want)
@@ -443,7 +443,7 @@ def test_mamba_state_carries_from_prefill_through_decode_steps(isa):
     x, dt, A, B, C, D, dt_bias, z, pool = selective_inputs(9, 3, torch.float32, seed=46)
     slots = torch.tensor([1])
     want_pool = pool.clone()
-    want = state_ops.mamba_scan_varlen_reference(x, dt, A, B, C, packed([9]), want_pool, slots,
+    want = state_reference.mamba_scan_varlen_reference(x, dt, A, B, C, packed([9]), want_pool, slots,
                                                  torch.tensor([False]), D, dt_bias, z, True)
     steps = [_C.mamba_scan_varlen(x[:4], dt[:4], A, B[:4], C[:4], D, dt_bias, z[:4], True, packed([4]), pool, slots,
                                   torch.tensor([False]))]
@@ -470,7 +470,7 @@ def test_reference_mode_runs_the_references(monkeypatch):
     monkeypatch.setattr(state_ops, "_state_kernels", lambda: _Refusing())
     slots = torch.tensor([1, 0])
     want_pool = pool.clone()
-    want = state_ops.gated_delta_rule_recurrent_reference(q, k, v, g, beta, want_pool, slots, True)
+    want = state_reference.gated_delta_rule_recurrent_reference(q, k, v, g, beta, want_pool, slots, True)
     assert torch.equal(state_ops.gated_delta_rule_recurrent(q, k, v, g, beta, pool, slots, True), want)
 
 
@@ -488,7 +488,7 @@ def test_inputs_the_kernels_do_not_take_run_the_reference_in_auto_mode_and_raise
     x, pool, weight, bias = conv_inputs(3, 3, torch.float16, seed=21)
     slots, cu, has_initial = torch.tensor([0, 2]), packed([1, 2]), torch.tensor([False, True])
     want_pool = pool.clone()
-    want = state_ops.causal_conv1d_varlen_reference(x, cu, want_pool, slots, has_initial, weight, bias, "silu")
+    want = state_reference.causal_conv1d_varlen_reference(x, cu, want_pool, slots, has_initial, weight, bias, "silu")
     got = state_ops.causal_conv1d_varlen(x, cu, pool, slots, has_initial, weight, bias, "silu", mode="auto")
     assert torch.equal(got, want)
     with pytest.raises(RuntimeError, match="CBCORE_KERNELS=cpu.*float16"):
@@ -517,7 +517,7 @@ def test_mamba2_inputs_the_kernel_does_not_take_run_the_reference_in_auto_mode_a
     x, dt, A, B, C, D, dt_bias, z, pool = ssd_inputs(2, 2, torch.float16, seed=50)
     slots = torch.tensor([1, 0])
     want_pool = pool.clone()
-    want = state_ops.mamba2_state_update_reference(x, dt, A, B, C, want_pool, slots, D, dt_bias, z, True)
+    want = state_reference.mamba2_state_update_reference(x, dt, A, B, C, want_pool, slots, D, dt_bias, z, True)
     got = state_ops.mamba2_state_update(x, dt, A, B, C, pool, slots, D, dt_bias, z, True, mode="auto")
     assert torch.equal(got, want)
     with pytest.raises(RuntimeError, match="CBCORE_KERNELS=cpu.*float16"):
@@ -534,7 +534,7 @@ def _conv_call(implementation: str, slots: torch.Tensor, cu: torch.Tensor | None
     has_initial = torch.tensor([True, False])
     if implementation == "kernel":
         return _C.causal_conv1d_varlen(x, cu, pool.to(dtype), slots, has_initial, weight, bias, "silu")
-    return state_ops.causal_conv1d_varlen_reference(x, cu, pool, slots, has_initial, weight, bias, "silu")
+    return state_reference.causal_conv1d_varlen_reference(x, cu, pool, slots, has_initial, weight, bias, "silu")
 
 
 @pytest.mark.parametrize("implementation", ["kernel", "reference"])
@@ -565,7 +565,7 @@ def test_an_unknown_activation_is_refused():
     with pytest.raises(ValueError, match="activation"):
         _C.causal_conv1d_update(x, pool, torch.tensor([0]), weight, bias, "gelu")
     with pytest.raises(ValueError, match="activation"):
-        state_ops.causal_conv1d_update_reference(x, pool, torch.tensor([0]), weight, bias, "gelu")
+        state_reference.causal_conv1d_update_reference(x, pool, torch.tensor([0]), weight, bias, "gelu")
 
 
 def test_delta_rule_checks_its_shapes_and_state():
