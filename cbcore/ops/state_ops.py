@@ -86,7 +86,6 @@ from .state_reference import (
 )
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-_ACTIVATIONS = (None, "silu", "swish")  # transformers' ACT2FN maps both names to SiLU
 
 
 # ---- dispatch --------------------------------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 import torch
 
+_ACTIVATIONS = (None, "silu", "swish")  # transformers' ACT2FN maps both names to SiLU
+
 
 # ---- plain-torch references ------------------------------------------------------------------------------------------
 
