@@ -27,7 +27,8 @@ from .cache_shape import CacheShape
 from .model_support import attention_modules, function_parameters, unsupported
 from .requests import RequestState, RequestStatus
 from .runner import ModelRunner
-from .scheduler import FifoOrder, Scheduler
+from .scheduler import Scheduler
+from .scheduling_orders import FifoOrder
 from .state_layers import StatePool, probe_state_specs, state_layer_modules
 from .state_slots import StateSlots
 from .switches import env_switch

@@ -11,10 +11,10 @@ first evicts cached blocks nobody uses (LRU); if that is not enough, the most re
 its blocks are released and it goes back to the head of the queue, to be recomputed (prompt + generated so far) later,
 with unchanged output. A request preempted before is not chosen again until it has generated a new token (no thrash).
 
-Two orders, as in transformers: "fifo" runs decodes first, then unfinished prefills, then new requests;
-"prefill_first" runs unfinished prefills first, then decodes, then new requests. New requests are admitted in
-arrival order and a request waiting for memory is never overtaken, so a large request cannot starve. The one
-exception: a request whose prompt starts with blocks that a running prefill is computing right now waits for them
+Two orders (cbcore/scheduling_orders.py), as in transformers: "fifo" runs decodes first, then unfinished prefills,
+then new requests; "prefill_first" runs unfinished prefills first, then decodes, then new requests. New requests are
+admitted in arrival order and a request waiting for memory is never overtaken, so a large request cannot starve. The
+one exception: a request whose prompt starts with blocks that a running prefill is computing right now waits for them
 (and shares them) while the requests behind it go ahead.
 
 Priorities (a request's `priority` kwarg, vLLM's: lower first, default 0): running requests get the step's budget in
@@ -32,6 +32,7 @@ from .cache import PagedKVCache
 from .plan import BlockCopies, PlannedRequest, StepPlan
 from .requests import RequestState, RequestStatus, child_request_id
 from .sampling import PRIORITY_KWARG, SEED_KWARG
+from .scheduling_orders import SchedulingOrder, is_prefilling
 
 
 @dataclass(slots=True)
@@ -85,44 +86,6 @@ class ScheduledBatch:
                     planned.score_targets = tokens[low + 1 : high + 1]
             requests.append(planned)
         return StepPlan(requests, self.copies)
-
-
-class SchedulingOrder:
-    """Policy: the order in which running requests get the step's budget."""
-
-    name = "base"
-    default_safety_margin = 0.0
-
-    def running_order(self, running: list[RequestState]) -> list[RequestState]:
-        """Running requests in the order they should be served."""
-        raise NotImplementedError
-
-
-class FifoOrder(SchedulingOrder):
-    """Decoding requests first (their latency), then unfinished prefills; arrival order within each."""
-
-    name = "fifo"
-    default_safety_margin = 0.15  # transformers' FIFOScheduler default
-
-    def running_order(self, running: list[RequestState]) -> list[RequestState]:
-        return [s for s in running if not _is_prefilling(s)] + [s for s in running if _is_prefilling(s)]
-
-
-class PrefillFirstOrder(SchedulingOrder):
-    """Unfinished prefills first (time to first token), then decoding requests."""
-
-    name = "prefill_first"
-    default_safety_margin = 0.0  # transformers' PrefillFirstScheduler default
-
-    def running_order(self, running: list[RequestState]) -> list[RequestState]:
-        return [s for s in running if _is_prefilling(s)] + [s for s in running if not _is_prefilling(s)]
-
-
-SCHEDULING_ORDERS: dict[str, type[SchedulingOrder]] = {"fifo": FifoOrder, "prefill_first": PrefillFirstOrder}
-
-
-def _is_prefilling(state: RequestState) -> bool:
-    return state.num_uncomputed_tokens > 1 or not state.generated_tokens
 
 
 def _priority(state: RequestState) -> int:
@@ -291,7 +254,7 @@ class Scheduler:
             return False
         tokens = state.all_tokens
         for other in self.running:
-            if other.num_computed_tokens >= shareable_blocks * page or not _is_prefilling(other):
+            if other.num_computed_tokens >= shareable_blocks * page or not is_prefilling(other):
                 continue
             if other.all_tokens[0] != tokens[0]:
                 continue

@@ -215,7 +215,8 @@ def _scheduler_with_a_prefix_in_the_host_tier():
     from cbcore.cache import PagedKVCache
     from cbcore.cache_shape import CacheShape
     from cbcore.requests import RequestState
-    from cbcore.scheduler import FifoOrder, Scheduler
+    from cbcore.scheduler import Scheduler
+    from cbcore.scheduling_orders import FifoOrder
 
     cache = PagedKVCache(CacheShape(1, 1, 8, torch.float32), num_blocks=8, page_size=4, device=torch.device("cpu"))
     cache.enable_swap(num_host_blocks=8)

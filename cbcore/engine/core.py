@@ -36,7 +36,8 @@ from ..model_support import check_stateful_options
 from ..requests import GenerationOutput, RequestState, RequestStatus, child_request_id, split_child_id
 from ..runner import StepResult
 from ..sampling import LogitsProcessorSwitch, Sampler
-from ..scheduler import SCHEDULING_ORDERS, ScheduledBatch, ScheduledRequest, Scheduler
+from ..scheduler import ScheduledBatch, ScheduledRequest, Scheduler
+from ..scheduling_orders import SCHEDULING_ORDERS
 from ..state_layers import StatePool, probe_state_specs, state_layer_modules
 from ..state_slots import StateSlots
 from ..switches import env_switch
