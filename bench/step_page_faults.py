@@ -65,7 +65,7 @@ def main() -> int:
     # Per layer: the cache write and the decode kernel, timed around the Python calls the eager step's attention
     # makes (the compiled step's op calls them from C++: csrc/attention/cpu_step_attention.cpp).
     layer_seconds: dict[str, list[float]] = collections.defaultdict(list)
-    kernels = ops._cpu_kernels()
+    kernels = ops.cpu_kernels()
     for owner, name in ((ops, "cache_write"), (kernels, "decode_attention_planned")):
         original = getattr(owner, name)
 

@@ -51,7 +51,7 @@ from cbcore import ContinuousBatchingConfig, ops
 from cbcore.benchmarks.machine import cpu_model, last_level_cache_bytes
 from cbcore.cache import zeroed_pages
 
-_C = ops._cpu_kernels()
+_C = ops.cpu_kernels()
 pytestmark = pytest.mark.skipif(_C is None, reason="cbcore._C was built without the CPU attention kernels")
 
 PAGE_SIZE = 16

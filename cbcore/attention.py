@@ -127,7 +127,7 @@ def _enter_cpu_step(step: Any):
     # Copies of the page lists, taken by iteration: the start-up self-check hands a list that counts item reads (one
     # per layer's attention call).
     key_caches, value_caches = list(step.key_caches), list(step.value_caches)
-    if not key_caches or key_caches[0].device.type != "cpu" or ops._cpu_kernels() is None:
+    if not key_caches or key_caches[0].device.type != "cpu" or ops.cpu_kernels() is None:
         return None
     extension.enter_cpu_step(key_caches, value_caches, step.slot_mapping, step.num_decode_tokens,
                              step.decode_block_table, step.decode_seq_lens, step.num_prefill_requests,

@@ -18,7 +18,7 @@ import torch
 
 from cbcore import ops
 
-_C = ops._cpu_kernels()
+_C = ops.cpu_kernels()
 pytestmark = pytest.mark.skipif(_C is None, reason="cbcore._C was built without the CPU attention kernels")
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}

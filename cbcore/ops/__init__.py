@@ -53,14 +53,21 @@ when it is built (`ModelRunner`), and hands the mode to every call of its steps;
 
 from __future__ import annotations
 
-import functools
-import os
-from types import ModuleType
-from typing import Callable
-
 import torch
 
-from ..switches import env_switch
+from .backends import (  # noqa: F401 - the switches and backends are part of this module's face
+    CASCADE_ENV,
+    CPU_ISA_ENV,
+    KERNEL_MODES,
+    KERNELS_ENV,
+    available_backends,
+    cascade_enabled,
+    cpu_isas,
+    cpu_kernels,
+    cuda_kernels,
+    kernel_mode,
+    triton_prefill_kernel,
+)
 from .reference import (  # noqa: F401 - the references are part of this module's face (tests, benchmarks)
     cache_write_reference,
     cascade_decode_reference,
@@ -70,98 +77,10 @@ from .reference import (  # noqa: F401 - the references are part of this module'
     softmax_attention,
 )
 
-KERNELS_ENV = "CBCORE_KERNELS"
-CPU_ISA_ENV = "CBCORE_CPU_ISA"
-CASCADE_ENV = "CBCORE_CASCADE_DECODE"
-KERNEL_MODES = ("auto", "reference", "cpu", "cuda", "triton")
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (K, V) head dims cbcore._cuda's decode is compiled for (csrc/attention/cuda_decode_params.h): equal 64/128/256, and
 # multi-head latent attention's 192/128 (DeepSeek-V2/V3).
 _CUDA_DECODE_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256), (192, 128)})
-
-
-def cascade_enabled() -> bool:
-    """CBCORE_CASCADE_DECODE (default on): whether the C++ CPU decode plans attend shared block-table prefixes once
-    per group of requests (the cascade) instead of once per request."""
-    return env_switch(CASCADE_ENV)
-
-
-def kernel_mode() -> str:
-    """The value of CBCORE_KERNELS (default "auto"); ValueError naming the variable for an unknown value."""
-    value = os.environ.get(KERNELS_ENV, "")
-    mode = value.strip().lower() or "auto"
-    if mode not in KERNEL_MODES:
-        raise ValueError(f"{KERNELS_ENV}={value!r} is not one of {', '.join(KERNEL_MODES)}; unset it for the default "
-                         "(auto: the fastest kernel for the tensors' device, else the reference)")
-    return mode
-
-
-@functools.cache
-def _cpu_kernels() -> ModuleType | None:
-    """cbcore._C when it carries the CPU attention ops (a stale build of the allocator alone does not), its
-    instruction set set from CBCORE_CPU_ISA."""
-    try:
-        from .. import _C
-    except ImportError:
-        return None
-    if not hasattr(_C, "decode_attention"):
-        return None
-    _apply_cpu_isa(_C)
-    return _C
-
-
-def _apply_cpu_isa(module: ModuleType) -> None:
-    """Force the instruction set CBCORE_CPU_ISA names (unset or "auto": the best this CPU runs)."""
-    value = os.environ.get(CPU_ISA_ENV, "")
-    name = value.strip().lower() or "auto"
-    if not hasattr(module, "cpu_attention_isas"):  # a build from before the AVX-512 copy: one choice, its own
-        if name != "auto":
-            raise ValueError(f"{CPU_ISA_ENV}={value!r} needs a cbcore._C built with instruction-set selection; "
-                             "reinstall cbcore")
-        return
-    available = module.cpu_attention_isas()
-    if name != "auto" and name not in available:
-        raise ValueError(f"{CPU_ISA_ENV}={value!r}: this CPU and build run the CPU attention kernels with "
-                         f"{', '.join(available)} (or auto, the best of them); unset it for auto")
-    module._set_cpu_attention_isa(name)
-
-
-def cpu_isas() -> list[str]:
-    """The instruction sets the C++ CPU kernels can run with here, portable first (empty without cbcore._C)."""
-    cpu = _cpu_kernels()
-    return list(cpu.cpu_attention_isas()) if cpu is not None else []
-
-
-@functools.cache
-def _cuda_kernels() -> ModuleType | None:
-    """cbcore._cuda, built only when torch has CUDA and nvcc was found at install time."""
-    try:
-        from .. import _cuda
-    except ImportError:
-        return None
-    return _cuda
-
-
-@functools.cache
-def _triton_prefill() -> Callable[..., torch.Tensor] | None:
-    """The Triton prefill kernel when cbcore.triton_kernels is installed and the triton package is present."""
-    try:
-        from ..triton_kernels import prefill
-    except ImportError:
-        return None
-    return prefill.prefill_attention if prefill.TRITON_AVAILABLE else None
-
-
-def available_backends() -> dict[str, str | None]:
-    """What loaded, for READMEs and benchmark output: the mode, and per backend a description or None."""
-    cpu, cuda, triton_prefill = _cpu_kernels(), _cuda_kernels(), _triton_prefill()
-    return {
-        "mode": kernel_mode(),
-        "cpu": f"cbcore._C ({cpu.cpu_attention_isa()})" if cpu is not None else None,
-        "cuda": "cbcore._cuda" if cuda is not None else None,
-        "triton": "cbcore.triton_kernels.prefill" if triton_prefill is not None else None,
-        "reference": "plain torch (cbcore.ops.*_reference)",
-    }
 
 
 class StepKernelPlans:
@@ -179,7 +98,7 @@ class StepKernelPlans:
         key = ("decode", window, heads, k_cache.shape[2])
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = _cpu_kernels().plan_decode(
+            plan = self._plans[key] = cpu_kernels().plan_decode(
                 block_table, seq_lens, k_cache.shape[0], k_cache.shape[1], k_cache.shape[2], heads, window,
                 self._cascade)
         return plan
@@ -190,7 +109,7 @@ class StepKernelPlans:
         key = ("prefill", window, heads, k_cache.shape[2])
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = _cpu_kernels().plan_prefill(
+            plan = self._plans[key] = cpu_kernels().plan_prefill(
                 block_table, cu_seqlens_q, seq_lens_k, k_cache.shape[0], k_cache.shape[1], k_cache.shape[2], heads,
                 window)
         return plan
@@ -213,7 +132,7 @@ def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
 
 def _why_not_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
     """None when the C++ CPU attention kernels take these tensors, else the reason."""
-    if _cpu_kernels() is None:
+    if cpu_kernels() is None:
         return "cbcore._C has no CPU attention kernels (reinstall cbcore to build them)"
     if q.device.type != "cpu" or k_cache.device.type != "cpu":
         return f"tensors are on {q.device}, not the CPU"
@@ -231,7 +150,7 @@ def _why_not_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
 def _why_not_cpu_cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                              ) -> str | None:
     """None when the C++ cache_write takes these tensors (k/v of any of the three float dtypes), else the reason."""
-    if _cpu_kernels() is None:
+    if cpu_kernels() is None:
         return "cbcore._C has no CPU attention kernels (reinstall cbcore to build them)"
     if k.device.type != "cpu" or k_cache.device.type != "cpu":
         return f"tensors are on {k.device} and {k_cache.device}, not the CPU"
@@ -246,7 +165,7 @@ def _why_not_cpu_cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Te
 
 def _why_not_cuda_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
     """None when cbcore._cuda's decode kernel takes these tensors, else the reason."""
-    if _cuda_kernels() is None:
+    if cuda_kernels() is None:
         return "cbcore._cuda is not built"
     if not (q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in _KERNEL_DTYPES):
         return f"dtypes q {q.dtype}, caches {k_cache.dtype}/{v_cache.dtype} (one of float32, bfloat16, float16)"
@@ -262,7 +181,7 @@ def _why_not_cuda_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 def _why_not_cuda_cache_write(k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
     """None when cbcore._cuda's cache_write takes these caches (k/v are converted to their dtype), else the reason."""
-    if _cuda_kernels() is None:
+    if cuda_kernels() is None:
         return "cbcore._cuda is not built"
     if k_cache.dtype not in _KERNEL_DTYPES or v_cache.dtype != k_cache.dtype:
         return f"cache dtypes {k_cache.dtype}/{v_cache.dtype} (supported: one of float32, bfloat16, float16)"
@@ -275,7 +194,7 @@ def _why_not_cuda_cache_write(k_cache: torch.Tensor, v_cache: torch.Tensor) -> s
 
 def _why_not_triton_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
     """None when the Triton prefill kernel takes these tensors, else the reason."""
-    if _triton_prefill() is None:
+    if triton_prefill_kernel() is None:
         return "cbcore.triton_kernels or the triton package is missing"
     if not (q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in _KERNEL_DTYPES):
         return f"dtypes q {q.dtype}, caches {k_cache.dtype}/{v_cache.dtype} (one of float32, bfloat16, float16)"
@@ -328,7 +247,7 @@ def cache_write(
         if k_cache.is_cuda and mode in ("auto", "cuda"):
             why = _why_not_cuda_cache_write(k_cache, v_cache)
             if why is None:
-                _cuda_kernels().cache_write(_rows(k.to(k_cache.dtype)), _rows(v.to(v_cache.dtype)), k_cache, v_cache,
+                cuda_kernels().cache_write(_rows(k.to(k_cache.dtype)), _rows(v.to(v_cache.dtype)), k_cache, v_cache,
                                             slot_mapping.to(torch.int64).contiguous())
                 return
             if mode == "cuda":
@@ -336,7 +255,7 @@ def cache_write(
         elif k_cache.device.type == "cpu" and mode in ("auto", "cpu"):
             why = _why_not_cpu_cache_write(k, v, k_cache, v_cache)
             if why is None:
-                _cpu_kernels().cache_write(k, v, k_cache, v_cache, slot_mapping)
+                cpu_kernels().cache_write(k, v, k_cache, v_cache, slot_mapping)
                 return
             if mode == "cpu":
                 raise _forced_failure(mode, "cache_write", why)
@@ -369,7 +288,7 @@ def decode_attention(
         if q.is_cuda and mode in ("auto", "cuda"):
             why = _why_not_cuda_decode(q, k_cache, v_cache)
             if why is None:
-                return _into(out, _cuda_kernels().decode_attention(
+                return _into(out, cuda_kernels().decode_attention(
                     _rows(q), k_cache, v_cache, block_table.to(torch.int32).contiguous(),
                     seq_lens.to(torch.int32).contiguous(), scale, _window(sliding_window),
                     torch.are_deterministic_algorithms_enabled(), cap, sinks,
@@ -380,12 +299,12 @@ def decode_attention(
             why = plans.why_not_cpu(q, k_cache, v_cache) if plans is not None else _why_not_cpu(q, k_cache, v_cache)
             if why is None:
                 if plans is None:  # a call outside a step: the unplanned kernel (it plans for itself)
-                    return _into(out, _cpu_kernels().decode_attention(
+                    return _into(out, cpu_kernels().decode_attention(
                         _rows(q), k_cache, v_cache, block_table, seq_lens, scale, _window(sliding_window), cap, sinks))
                 plan = plans.decode(block_table, seq_lens, k_cache, q.shape[1], _window(sliding_window))
                 if out is None:
                     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
-                _cpu_kernels().decode_attention_planned(plan, _rows(q), k_cache, v_cache, scale, cap, sinks, out)
+                cpu_kernels().decode_attention_planned(plan, _rows(q), k_cache, v_cache, scale, cap, sinks, out)
                 return out
             if mode == "cpu":
                 raise _forced_failure(mode, "decode_attention", why)
@@ -419,7 +338,7 @@ def prefill_attention(
         if (q.is_cuda and mode == "auto") or mode == "triton":
             why = _why_not_triton_prefill(q, k_cache, v_cache)
             if why is None:
-                return _into(out, _triton_prefill()(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale,
+                return _into(out, triton_prefill_kernel()(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale,
                                                     sliding_window, softcap, sinks))
             if mode == "triton":
                 raise _forced_failure(mode, "prefill_attention", why)
@@ -427,14 +346,14 @@ def prefill_attention(
             why = plans.why_not_cpu(q, k_cache, v_cache) if plans is not None else _why_not_cpu(q, k_cache, v_cache)
             if why is None:
                 if plans is None:  # a call outside a step: the unplanned kernel (it plans for itself)
-                    return _into(out, _cpu_kernels().prefill_attention(
+                    return _into(out, cpu_kernels().prefill_attention(
                         _rows(q), k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale,
                         _window(sliding_window), cap, sinks))
                 plan = plans.prefill(block_table, cu_seqlens_q, seq_lens_k, k_cache, q.shape[1],
                                      _window(sliding_window))
                 if out is None:
                     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
-                _cpu_kernels().prefill_attention_planned(plan, _rows(q), k_cache, v_cache, scale, cap, sinks, out)
+                cpu_kernels().prefill_attention_planned(plan, _rows(q), k_cache, v_cache, scale, cap, sinks, out)
                 return out
             if mode == "cpu":
                 raise _forced_failure(mode, "prefill_attention", why)

@@ -73,7 +73,7 @@ from types import ModuleType
 
 import torch
 
-from . import KERNELS_ENV, _cpu_kernels, kernel_mode
+from .backends import KERNELS_ENV, cpu_kernels, kernel_mode
 from .state_reference import (
     causal_conv1d_update_reference,
     causal_conv1d_varlen_reference,
@@ -94,7 +94,7 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 @functools.cache
 def _state_kernels() -> ModuleType | None:
     """cbcore._C when it carries the state ops (an older build does not)."""
-    cpu = _cpu_kernels()
+    cpu = cpu_kernels()
     wanted = ("gated_delta_rule_varlen", "mamba_scan_varlen")
     return cpu if cpu is not None and all(hasattr(cpu, name) for name in wanted) else None
 
