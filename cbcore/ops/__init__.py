@@ -186,7 +186,8 @@ def _why_not_cuda_cache_write(k_cache: torch.Tensor, v_cache: torch.Tensor) -> s
     if k_cache.dtype not in _KERNEL_DTYPES or v_cache.dtype != k_cache.dtype:
         return f"cache dtypes {k_cache.dtype}/{v_cache.dtype} (supported: one of float32, bfloat16, float16)"
     if v_cache.shape != k_cache.shape:
-        return f"V pages {tuple(v_cache.shape)} differ from K's {tuple(k_cache.shape)} (the CUDA kernel needs one shape)"
+        return (f"V pages {tuple(v_cache.shape)} differ from K's {tuple(k_cache.shape)} (the CUDA kernel needs one "
+                "shape)")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return "the caches are not contiguous"
     return None
@@ -338,8 +339,9 @@ def prefill_attention(
         if (q.is_cuda and mode == "auto") or mode == "triton":
             why = _why_not_triton_prefill(q, k_cache, v_cache)
             if why is None:
-                return _into(out, triton_prefill_kernel()(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale,
-                                                    sliding_window, softcap, sinks))
+                kernel = triton_prefill_kernel()
+                return _into(out, kernel(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale,
+                                         sliding_window, softcap, sinks))
             if mode == "triton":
                 raise _forced_failure(mode, "prefill_attention", why)
         elif q.device.type == "cpu" and mode in ("auto", "cpu"):
