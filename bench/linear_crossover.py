@@ -7,7 +7,7 @@ A "step" is every linear of the model once, each layer with its own weights (W2'
 of 576->960, 576->576, 576->3072, 1536->576 and the 576->49152 head), so the weights stream from memory as in a real
 step instead of staying in cache. Both matmuls run the same step alternately, 7 rounds; the table gives medians.
 Appends to `bench/results/linear_crossover_<cpu>.md` (the CPU named by `--cpu-name`, default from /proc/cpuinfo)
-the command and the table. `cbcore.linear.linear_backends` takes its row limits from these runs.
+the command and the table. `cbcore.linear_backends.linear_backends` takes its row limits from these runs.
 """
 
 from __future__ import annotations

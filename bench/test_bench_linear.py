@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cbcore.linear import onednn_packs, packing_available
+from cbcore.linear_backends import onednn_packs, packing_available
 from cbcore.benchmarks.machine import cpu_model
 
 try:

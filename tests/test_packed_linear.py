@@ -10,7 +10,8 @@ import torch
 
 import cbcore
 from cbcore.attention import paged_step
-from cbcore.linear import PACKED_LINEAR_ENV, PackedLinears, onednn_packs, packing_available
+from cbcore.linear import PACKED_LINEAR_ENV, PackedLinears
+from cbcore.linear_backends import onednn_packs, packing_available
 from tests.conftest import assert_engine_clean, collect_outputs, greedy_config, random_prompts, reference_tokens, run_engine, tiny_model
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear ops")

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from cbcore import linear
-from cbcore.linear import SKINNY_GEMM_ENV, PackedLinears, linear_backends, onednn_packs, packing_available
+from cbcore import linear_backends as choice
+from cbcore.linear import PackedLinears
+from cbcore.linear_backends import SKINNY_GEMM_ENV, linear_backends, onednn_packs, packing_available
 from cbcore.attention import paged_step
 from cbcore.ops import cpu_isas
 
@@ -97,7 +99,7 @@ def test_the_packed_linear_runs_the_skinny_matmul_where_the_cpu_has_it(monkeypat
     try:
         handle = layer[0]._cbcore_member.group.handle
         expect_skinny, skinny_max_rows = linear_backends(dtype)
-        no_amx_tiles = linear.cpu_has_amx() and dtype == torch.bfloat16 and _C.skinny_isa(dtype) != "amx"
+        no_amx_tiles = choice.cpu_has_amx() and dtype == torch.bfloat16 and _C.skinny_isa(dtype) != "amx"
         assert expect_skinny == (skinny == "1" and _available(dtype) and not no_amx_tiles)
         assert _C.packed_linear_is_skinny(handle) == expect_skinny
         onednn_copy = not expect_skinny or (skinny_max_rows >= 0 and onednn_packs(dtype))
@@ -120,22 +122,22 @@ def test_the_backends_follow_the_cpu(monkeypatch, amx, full_width) -> None:
     to SKINNY_MAX_ROWS_FP32_WIDE rows and oneDNN above, and bf16 without AMX up to SKINNY_MAX_ROWS_BF16_WIDE; on
     other CPUs fp32 the skinny matmul alone and bf16 the skinny matmul up to SKINNY_MAX_ROWS_BF16 rows;
     CBCORE_SKINNY_GEMM=0 oneDNN alone."""
-    monkeypatch.setattr(linear, "cpu_has_amx", lambda: amx)
-    monkeypatch.setattr(linear, "cpu_full_width_avx512", lambda: full_width)
+    monkeypatch.setattr(choice, "cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(choice, "cpu_full_width_avx512", lambda: full_width)
     for dtype in (torch.float32, torch.bfloat16):
         if not _available(dtype):
             assert linear_backends(dtype) == (False, -1)
             continue
         if amx and dtype == torch.bfloat16:
             amx_tiles = _C.skinny_isa(dtype) == "amx"
-            assert linear_backends(dtype, 96) == ((True, linear.SKINNY_MAX_ROWS_BF16_AMX) if amx_tiles else (False, -1))
+            assert linear_backends(dtype, 96) == ((True, choice.SKINNY_MAX_ROWS_BF16_AMX) if amx_tiles else (False, -1))
             assert linear_backends(dtype, 100) == (False, -1)  # K not a multiple of 32: AMX's tiles do not take it
-            expected = (True, linear.SKINNY_MAX_ROWS_BF16_AMX) if amx_tiles else (False, -1)
+            expected = (True, choice.SKINNY_MAX_ROWS_BF16_AMX) if amx_tiles else (False, -1)
         elif full_width:
-            expected = (True, linear.SKINNY_MAX_ROWS_FP32_WIDE if dtype == torch.float32
-                        else linear.SKINNY_MAX_ROWS_BF16_WIDE)
+            expected = (True, choice.SKINNY_MAX_ROWS_FP32_WIDE if dtype == torch.float32
+                        else choice.SKINNY_MAX_ROWS_BF16_WIDE)
         else:
-            expected = (True, -1) if dtype == torch.float32 else (True, linear.SKINNY_MAX_ROWS_BF16)
+            expected = (True, -1) if dtype == torch.float32 else (True, choice.SKINNY_MAX_ROWS_BF16)
         assert linear_backends(dtype) == expected
     monkeypatch.setenv(SKINNY_GEMM_ENV, "0")
     assert linear_backends(torch.float32) == linear_backends(torch.bfloat16) == (False, -1)
@@ -147,7 +149,7 @@ def test_full_width_avx512_is_told_by_the_cpu() -> None:
         pytest.skip("a build without cpu_full_width_avx512")
     answer = _C.cpu_full_width_avx512()
     assert isinstance(answer, bool)
-    assert linear.cpu_full_width_avx512() == answer
+    assert choice.cpu_full_width_avx512() == answer
     if answer:
         assert any(isa.startswith("avx512") for isa in cpu_isas())
 

@@ -10,7 +10,7 @@ from pathlib import Path
 def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """The CPU's model name, with its family and model numbers where /proc/cpuinfo (`cpuinfo`) gives them ("AMD EPYC
     (family 26, model 2)": a VM's name alone may not tell a Zen 4 from a Zen 5, whose full-width AVX-512 changes which
-    matmul runs, cbcore.linear.linear_backends), else what `platform` knows."""
+    matmul runs, cbcore.linear_backends.linear_backends), else what `platform` knows."""
     fields: dict[str, str] = {}
     try:
         for line in cpuinfo.read_text().splitlines():
@@ -51,7 +51,7 @@ def last_level_cache_bytes(cache_dir: Path = Path("/sys/devices/system/cpu/cpu0/
 def vector_isa() -> str | None:
     """The widest vector instructions the CPU has, as cbcore's kernels and linears choose them: "AVX-512 +
     AVX512-BF16", "AVX-512", "AVX2" or "no AVX2", with " + AMX" where it has AMX's bf16 tiles (oneDNN runs bf16
-    matmuls on them: cbcore.linear.linear_backends) (from /proc/cpuinfo's flags); None where there is no such file
+    matmuls on them: cbcore.linear_backends.linear_backends) (from /proc/cpuinfo's flags); None where there is no such file
     (not Linux x86)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
