@@ -51,8 +51,8 @@ def last_level_cache_bytes(cache_dir: Path = Path("/sys/devices/system/cpu/cpu0/
 def vector_isa() -> str | None:
     """The widest vector instructions the CPU has, as cbcore's kernels and linears choose them: "AVX-512 +
     AVX512-BF16", "AVX-512", "AVX2" or "no AVX2", with " + AMX" where it has AMX's bf16 tiles (oneDNN runs bf16
-    matmuls on them: cbcore.linear_backends.linear_backends) (from /proc/cpuinfo's flags); None where there is no such file
-    (not Linux x86)."""
+    matmuls on them: cbcore.linear_backends.linear_backends) (from /proc/cpuinfo's flags); None where there is no
+    such file (not Linux x86)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
