@@ -29,11 +29,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-import threading
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,6 +38,15 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import ops
+from .step_context import (
+    StepMetadata,
+    WarmupStep,
+    cpu_step_extension,
+    current_step,
+    in_paged_step,
+    paged_step,
+    tracing_compiled_step,
+)
 
 ATTENTION_NAME = "cbcore_paged"
 STEP_KWARG = "cbcore_step"
@@ -76,8 +81,6 @@ IGNORED_KWARGS = {
     "output_attentions": "None or False: cbcore's kernels return no attention weights",
 }
 
-_in_paged_step = threading.local()
-
 # Set on a bound model's modules (engine.model_binding): the implementation the model had, which its attention layers
 # run outside cbcore's steps. "eager" runs the model's own eager function; anything else runs transformers' sdpa,
 # whose mask the registered mask function builds (flash implementations take no such mask). A plain module attribute:
@@ -93,117 +96,6 @@ def mark_outside_steps_implementation(model: torch.nn.Module, implementation: st
             module.__dict__.pop(OUTSIDE_STEPS_ATTR, None)
         else:
             module.__dict__[OUTSIDE_STEPS_ATTR] = implementation
-
-
-@contextmanager
-def paged_step(step: StepMetadata | None = None) -> Iterator[None]:
-    """Mark the current thread's forward as a cbcore step (no mask is built; attention goes to the pages). `step` is
-    the step's metadata, for the attention layers of models whose decoder layers do not hand the forward's keyword
-    arguments down (StableLM, Nemotron): the keyword argument is used when it arrives, this otherwise."""
-    _in_paged_step.active = True
-    _in_paged_step.step = step
-    extension = _enter_cpu_step(step)
-    try:
-        yield
-    finally:
-        _in_paged_step.active = False
-        _in_paged_step.step = None
-        if extension is not None:
-            extension.exit_cpu_step()
-
-
-def _enter_cpu_step(step: Any):
-    """Hand the step to the C++ CPU kernel of `torch.ops.cbcore.step_attention` (csrc/attention/
-    cpu_step_attention.cpp) when its kernels are the C++ CPU ones; the extension to call `exit_cpu_step` on after, or
-    None. A step of another kernel mode (the reference, CUDA) or device is left to the op's Python implementation."""
-    extension = _cpu_step_extension()
-    if extension is None:
-        return None
-    if isinstance(step, WarmupStep):
-        extension.enter_warmup_step()
-        return extension
-    if not isinstance(step, StepMetadata) or step.kernel_mode not in ("auto", "cpu"):
-        return None
-    # Copies of the page lists, taken by iteration: the start-up self-check hands a list that counts item reads (one
-    # per layer's attention call).
-    key_caches, value_caches = list(step.key_caches), list(step.value_caches)
-    if not key_caches or key_caches[0].device.type != "cpu" or ops.cpu_kernels() is None:
-        return None
-    extension.enter_cpu_step(key_caches, value_caches, step.slot_mapping, step.num_decode_tokens,
-                             step.decode_block_table, step.decode_seq_lens, step.num_prefill_requests,
-                             step.prefill_block_table, step.prefill_cu_seqlens_q, step.prefill_seq_lens_k,
-                             step.cascade_decode)
-    return extension
-
-
-def current_step() -> Any:
-    """The step metadata handed to `paged_step()` on this thread (None outside cbcore's steps)."""
-    return getattr(_in_paged_step, "step", None) if in_paged_step() else None
-
-
-def in_paged_step() -> bool:
-    """Whether the current thread is inside a cbcore step's forward."""
-    return getattr(_in_paged_step, "active", False)
-
-
-class _StepTrace:
-    """Whether the code Dynamo is tracing is cbcore's compiled step: the compiled function sets `active` around its
-    model call (cbcore/compiled_step.py), so inside that trace it reads True, while a `torch.compile` of the user's own
-    forward (the model bound to a manager meanwhile) reads False and traces the model's own attention and linears."""
-
-    active: bool = False
-
-
-STEP_TRACE = _StepTrace()
-
-
-def tracing_compiled_step() -> bool:
-    """Whether torch is compiling cbcore's step forward right now (not some other code that calls the model)."""
-    return torch.compiler.is_compiling() and STEP_TRACE.active
-
-
-@dataclass
-class StepMetadata:
-    """Flat tensors describing one step's packed batch; built once by the runner, read by every layer.
-
-    Rows `[0, num_decode_tokens)` of the packed batch are decode rows (one query token per request); the rest are
-    prefill rows (one or more query tokens per request, packed by `prefill_cu_seqlens_q`).
-    """
-
-    key_caches: list[torch.Tensor]
-    value_caches: list[torch.Tensor]
-    slot_mapping: torch.Tensor
-    num_decode_tokens: int
-    decode_block_table: torch.Tensor
-    decode_seq_lens: torch.Tensor
-    num_prefill_requests: int
-    prefill_block_table: torch.Tensor
-    prefill_cu_seqlens_q: torch.Tensor
-    prefill_seq_lens_k: torch.Tensor
-    # The kernel mode (CBCORE_KERNELS) the engine resolved when it was built; every layer's op calls use it.
-    kernel_mode: str = "auto"
-    # Whether the CPU decode plans cascade over shared prefixes (CBCORE_CASCADE_DECODE, resolved with kernel_mode).
-    cascade_decode: bool = True
-    # Each packed token's position in its request, `[num_tokens]` (cbcore/positions.py hands it to decoders that
-    # compute positions themselves).
-    positions: torch.Tensor | None = None
-    # The step's requests as the stateful layers run them (a `state_layers.StateStep`), for a model with such layers.
-    states: Any = None
-    # The kernels' plans for this step, made by the first layer's calls and reused by the others (cbcore/ops).
-    kernel_plans: ops.StepKernelPlans = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.kernel_plans = ops.StepKernelPlans(self.cascade_decode)
-
-
-class WarmupStep:
-    """Handed to `paged_step()` while the compiled forward is compiled ahead (cbcore/compiled_step.py): each layer's
-    attention answers zeros and no cache is touched."""
-
-    @staticmethod
-    def attention(query: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """A layer's attention output while compiling ahead: zeros `[1, T, heads, d_v]` (transformers' layout)."""
-        return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[-1])
 
 
 class _ShapeProbe:
@@ -407,7 +299,7 @@ def _model_eager_attention(
 def _mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """No mask in cbcore's steps, compiled or not (the kernels mask: causal, bottom-right aligned, sliding window);
     sdpa's otherwise."""
-    if tracing_compiled_step() or getattr(_in_paged_step, "active", False):
+    if tracing_compiled_step() or in_paged_step():
         return None
     return sdpa_mask(*args, **kwargs)
 
@@ -447,15 +339,6 @@ _library.define(
 )
 
 
-def _cpu_step_extension():
-    """cbcore._C when it carries the C++ CPU kernel of `step_attention` (a stale build may not), else None."""
-    try:
-        from . import _C
-    except ImportError:
-        return None
-    return _C if hasattr(_C, "enter_cpu_step") else None
-
-
 def step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float,
                    sliding_window: int | None = None, softcap: float | None = None,
                    sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -474,7 +357,7 @@ _library.impl("step_attention", step_attention, "CompositeExplicitAutograd")
 # On the CPU the op's kernel is C++ (csrc/attention/cpu_step_attention.cpp): inside a step whose context paged_step
 # entered it runs the kernels itself, without this body's Python (docs/design.md, "The compiled step"); what it does not
 # take it hands back to this function.
-_step_extension = _cpu_step_extension()
+_step_extension = cpu_step_extension()
 if _step_extension is not None:
     _step_extension.set_python_step_attention(step_attention)
 

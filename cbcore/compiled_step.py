@@ -52,6 +52,7 @@ from transformers.generation.configuration_utils import CompileConfig
 from . import attention
 from .ops import custom_ops  # noqa: F401 - registers the kernels' ops (torch.ops.cbcore.cache_write, ...)
 from .positions import TRACED_POSITIONS
+from .step_context import STEP_TRACE, WarmupStep, paged_step
 from .structure_fingerprint import structure_fingerprint
 from .switches import env_switch
 
@@ -132,11 +133,11 @@ def _forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, position_id
     # For decoders that compute positions themselves (cbcore/positions.py): the step's positions, as an input of the
     # graph rather than read off the step's metadata.
     TRACED_POSITIONS.value = position_ids.view(-1)
-    # What tells cbcore's attention, linears and position hooks that this trace is the step's (attention.STEP_TRACE);
+    # What tells cbcore's attention, linears and position hooks that this trace is the step's (STEP_TRACE);
     # at run time the compiled code only replays the final values of both.
-    attention.STEP_TRACE.active = True
+    STEP_TRACE.active = True
     logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kept).logits
-    attention.STEP_TRACE.active = False
+    STEP_TRACE.active = False
     TRACED_POSITIONS.value = None
     return logits
 
@@ -265,7 +266,7 @@ class StepForward:
         try:
             return compiled.function(self.model, input_ids, position_ids, kept)
         finally:  # never left set: a forward raising after a graph break would leave what the part before it set
-            attention.STEP_TRACE.active = False
+            STEP_TRACE.active = False
 
     @torch.inference_mode()
     def warmup(self, vocab_size: int) -> CompileReport:
@@ -294,7 +295,7 @@ class StepForward:
                 positions = torch.arange(num_tokens, device=device).view(1, -1)
                 rows = torch.arange(num_tokens - num_rows, num_tokens, device=device)
                 arguments = (self.model, input_ids, positions, rows if self.takes_logits_to_keep else None)
-                with attention.paged_step(attention.WarmupStep()), torch._dynamo.config.patch(SPECIALIZED):
+                with paged_step(WarmupStep()), torch._dynamo.config.patch(SPECIALIZED):
                     # Graphs already warmed (an earlier engine of this model): a shape whose guards still hold needs
                     # no forward. Running the forward instead costs every generate_batch a forward per shape, and
                     # evaluating the guards a small fraction of one (docs/performance_log.md, 2026-12-06). What

@@ -23,7 +23,7 @@ How: `PackedLinears.attach(model)` (called when the manager binds the model) pac
 members of a merge group (`MERGE_GROUPS`: sibling modules of those names, plain `nn.Linear`, one input size, dtype
 and bias kind) as one concatenated weight, and gives each module an instance-level `forward` that runs the packed
 matmul, but only inside a cbcore step
-(`attention.in_paged_step`, the same thread-local flag the attention uses, or a trace of the compiled step): a
+(`step_context.in_paged_step`, the same thread-local flag the attention uses, or a trace of the compiled step): a
 user's own forward, `model.generate` or a training step on another thread runs the module's own `forward`,
 untouched. In a group, the first member called computes the whole group's output for that input tensor and each
 member takes its columns; a member called with another tensor computes the group again for it, so a model that does
@@ -74,7 +74,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .attention import in_paged_step, tracing_compiled_step
+from .step_context import in_paged_step, tracing_compiled_step
 from .linear_backends import linear_backends, linear_extension, packing_available
 from .switches import env_switch
 

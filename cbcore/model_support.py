@@ -261,7 +261,7 @@ def _attention_reasons(model: torch.nn.Module, config, state_layer_indices: set[
             "function (the window lives only in the mask transformers builds, and cbcore's steps build none)"
         )
     # A decoder layer or attention module that drops the forward's **kwargs is served too: the step's metadata also
-    # travels in a thread-local (attention.paged_step), and the self-check verifies the numbers.
+    # travels in a thread-local (step_context.paged_step), and the self-check verifies the numbers.
     return reasons
 
 

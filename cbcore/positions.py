@@ -19,7 +19,7 @@ import inspect
 
 import torch
 
-from .attention import current_step, tracing_compiled_step
+from .step_context import current_step, tracing_compiled_step
 
 
 class _TracedPositions:

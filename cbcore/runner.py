@@ -18,7 +18,7 @@ import torch
 from transformers.generation.configuration_utils import CompileConfig
 
 from . import ops
-from .attention import StepMetadata, paged_step
+from .step_context import StepMetadata, paged_step
 from .cache import PagedKVCache
 from .compiled_step import StepForward
 from .plan import BlockCopies, PlannedRequest, StepPlan

@@ -37,7 +37,8 @@ from typing import Any
 import torch
 
 from . import state_seams
-from .attention import STEP_KWARG, current_step
+from .attention import STEP_KWARG
+from .step_context import current_step
 from .lazy_zeros import zeroed_pages
 
 # The Cache API calls that mark a module as a stateful layer bound through the cache, found in the source of its

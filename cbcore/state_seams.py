@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 import torch
 
-from .attention import current_step
+from .step_context import current_step
 from .ops import state_ops
 
 # Each seam's reference modeling file: the function of that name there is what its kernel implements.
