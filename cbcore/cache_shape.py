@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import probe_kv_shapes
-from .state_layers import state_layer_modules
+from .state_specs import state_layer_modules
 
 
 @dataclass(frozen=True)

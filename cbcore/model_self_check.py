@@ -29,7 +29,8 @@ from .requests import RequestState, RequestStatus
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .scheduling_orders import FifoOrder
-from .state_layers import StatePool, probe_state_specs, state_layer_modules
+from .state_layers import StatePool
+from .state_specs import probe_state_specs, state_layer_modules
 from .state_slots import StateSlots
 from .switches import env_switch
 

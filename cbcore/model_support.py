@@ -37,7 +37,7 @@ import torch
 
 from .cache_shape import CacheShape
 from .positions import cache_length_position_embeddings
-from .state_layers import state_layer_modules
+from .state_specs import state_layer_modules
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 # Layer kinds a hybrid's config names for its stateful layers (a Mamba or delta-rule mixer, a short convolution, a

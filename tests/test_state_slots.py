@@ -10,7 +10,8 @@ from transformers.cache_utils import LinearAttentionLayer
 
 from cbcore._C import SlotAllocator
 from cbcore.requests import RequestState
-from cbcore.state_layers import SlotStates, StatePool, StateSpec
+from cbcore.state_layers import SlotStates, StatePool
+from cbcore.state_specs import StateSpec
 from cbcore.state_slots import StateSlots
 
 

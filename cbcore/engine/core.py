@@ -38,7 +38,8 @@ from ..runner import StepResult
 from ..sampling import LogitsProcessorSwitch, Sampler
 from ..scheduler import ScheduledBatch, ScheduledRequest, Scheduler
 from ..scheduling_orders import SCHEDULING_ORDERS
-from ..state_layers import StatePool, probe_state_specs, state_layer_modules
+from ..state_layers import StatePool
+from ..state_specs import probe_state_specs, state_layer_modules
 from ..state_slots import StateSlots
 from ..switches import env_switch
 from .allocation import allocate_state_pool, enable_swap
