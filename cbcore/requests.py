@@ -17,6 +17,10 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
+import torch
+
+from .sampling import SEED_KWARG
+
 
 class RequestStatus(IntEnum):
     """Status of a request through its lifecycle: transformers' values 0-4, plus `CANCELLED`."""
@@ -167,7 +171,8 @@ class RequestState:
     cancel_requested: bool = False
     # Indices of children (num_return_sequences) cancelled before their fork: they are never forked.
     cancelled_children: set[int] = field(default_factory=set)
-    # The request's own torch.Generator when it has a `seed` (made by the runner at its first sample).
+    # The request's own torch.Generator when it has a `seed` (made with the request; it keeps its state across steps,
+    # preemption and recompute included: tokens already drawn are never drawn again).
     sampling_generator: Any = field(default=None, repr=False)
     # With structured_output: its grammar matcher (cbcore/grammar.py `RequestGrammar`), advanced by each generated
     # token; or why its constraint does not compile (the request then ends FAILED with that message).
@@ -187,6 +192,9 @@ class RequestState:
         controls = self.sampling_controls
         self.finish_token_ids = frozenset(controls.get("stop_token_ids", ())).union(
             () if controls.get("ignore_eos", False) else self.eos_token_ids)
+        seed = self.logit_processor_kwargs.get(SEED_KWARG)
+        if seed is not None and self.sampling_generator is None:
+            self.sampling_generator = torch.Generator().manual_seed(seed)
         if self.prompt_logprobs is not None and not self.prompt_token_logprobs:
             self.prompt_token_logprobs, self.prompt_top_logprobs = [None], [None]  # the first token has none
 

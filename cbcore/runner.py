@@ -22,7 +22,7 @@ from .step_context import StepMetadata, paged_step
 from .cache import PagedKVCache
 from .compiled_step import StepForward
 from .plan import BlockCopies, PlannedRequest, StepPlan
-from .sampling import SEED_KWARG, Sampler
+from .sampling import Sampler
 from .sampling_controls import ControlRow
 from .scheduler import ScheduledBatch, ScheduledRequest
 from .state_layers import StatePool, StateRow, StateStep
@@ -240,17 +240,6 @@ class ModelRunner:
             )
         return (logits if kept_rows else None), emitted
 
-    @staticmethod
-    def _generator_of(state) -> torch.Generator | None:
-        """A request's own generator when it has a seed (made once; it keeps its state across steps, preemption
-        and recompute included: tokens already drawn are never drawn again)."""
-        seed = state.logit_processor_kwargs.get(SEED_KWARG)
-        if seed is None:
-            return None
-        if state.sampling_generator is None:
-            state.sampling_generator = torch.Generator().manual_seed(seed)
-        return state.sampling_generator
-
     def execute(self, batch: ScheduledBatch) -> StepResult:
         """Run one forward over `batch`'s plan and sample a token for every request that emits one (its block
         copies issued before, by `copy_blocks`)."""
@@ -263,7 +252,7 @@ class ModelRunner:
             logits = logits[: len(emitted)]
         if not emitted:
             return StepResult([], [], None, prompt_scores=prompt_scores)
-        generators = [self._generator_of(item.state) for item in emitted]
+        generators = [item.state.sampling_generator for item in emitted]
         controls = [ControlRow(row, item.state.sampling_controls, item.state.initial_tokens,
                                item.state.generated_tokens, item.state.finish_token_ids)
                     for row, item in enumerate(emitted) if item.state.sampling_controls]
