@@ -297,3 +297,22 @@ def test_the_bitmask_kernel_equals_the_reference(dtype, vocab) -> None:
     xgrammar.apply_token_bitmask_inplace(theirs, bitmask, indices=rows)
     assert torch.equal(theirs, expected.float())
     assert torch.equal(ours[[1, 4]], logits[[1, 4]])  # rows not listed are untouched
+
+
+def test_a_grammar_left_with_no_allowed_token_fails_its_request_alone(tiny_model_with_tokenizer) -> None:
+    """`min_tokens` forbids the end-of-sequence token that a complete grammar allows alone: that request ends FAILED
+    with a message naming it and the cause; the one beside it is served."""
+    model, tokenizer = tiny_model_with_tokenizer
+    config = GenerationConfig(max_new_tokens=20, do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
+    manager = cbcore.ContinuousBatchingManager(model, config, cbcore.ContinuousBatchingConfig(), tokenizer=tokenizer)
+    manager.start()
+    try:
+        stuck = manager.add_request(tokenizer.encode("pick"), structured_output={"choice": ["yes"]}, min_tokens=10)
+        fine = manager.add_request(tokenizer.encode("pick"), structured_output={"choice": ["yes"]})
+        outputs = collect_outputs(manager, [stuck, fine])
+    finally:
+        manager.stop(block=True)
+    assert_engine_clean(manager)
+    assert outputs[stuck].status == RequestStatus.FAILED
+    assert stuck in outputs[stuck].error and "not allowed by its grammar" in outputs[stuck].error
+    assert outputs[fine].status == RequestStatus.FINISHED and _text(tokenizer, outputs[fine].generated_tokens) == "yes"
