@@ -1,6 +1,7 @@
 """What structured output costs: a W1-shaped load (64 requests, prompts uniform in 32..256 tokens, 128 new tokens)
-with a JSON-schema constraint on every request against none, through one manager, interleaved (the order alternating round by round), four rounds each after a warm-up round;
-medians of the generated tokens per second and of the share of step time spent filling and applying the token masks.
+with a JSON-schema constraint on every request against none, through one manager, interleaved (the order
+alternating round by round), four rounds each after a warm-up round; medians of the generated tokens per second
+and of the share of step time spent filling and applying the token masks.
 
 The model is W1's seeded random Llama (32M parameters without its head, fp32) with the default model's vocabulary
 (49,152 tokens, so that its tokenizer compiles the grammar). Greedy, no EOS: a random model, once inside the schema's

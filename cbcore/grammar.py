@@ -132,7 +132,7 @@ def step_bitmask(rows: int, grammars: list[tuple[int, RequestGrammar]]) -> torch
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Set the disallowed logits of `rows` to -inf, in place (`logits` `[rows, vocab]`, any float dtype): on the
     CPU by `cbcore._C.apply_token_bitmask` (fp32 / bf16 rows; a word of 32 allowed tokens skipped, a word of none
-    one fill: ~25x xgrammar's bit-by-bit kernel where the grammar allows few tokens), else by xgrammar's kernels
+    one fill: ~30x xgrammar's bit-by-bit kernel where the grammar allows few tokens), else by xgrammar's kernels
     (CUDA, Triton). On a GPU the mask is filled while the forward still runs there: nothing between launching the
     forward and this point waits for the device."""
     kernel = _bitmask_kernel()

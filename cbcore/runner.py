@@ -18,7 +18,6 @@ import torch
 from transformers.generation.configuration_utils import CompileConfig
 
 from . import ops
-from .step_context import StepMetadata, paged_step
 from .cache import PagedKVCache
 from .compiled_step import StepForward
 from .plan import BlockCopies, PlannedRequest, StepPlan
@@ -26,6 +25,7 @@ from .sampling import Sampler
 from .sampling_controls import ControlRow
 from .scheduler import ScheduledBatch, ScheduledRequest
 from .state_layers import StatePool, StateRow, StateStep
+from .step_context import StepMetadata, paged_step
 
 
 @dataclass

@@ -99,8 +99,8 @@ def test_conv_varlen_matches_reference_on_ragged_lengths(isa, dtype):
     untouched = [s for s in range(num_slots) if s not in slots.tolist()]
     before = pool.clone()
     want_pool = pool.clone()
-    want = state_reference.causal_conv1d_varlen_reference(x, packed(RAGGED), want_pool, slots, has_initial, weight, bias,
-                                                    "silu")
+    want = state_reference.causal_conv1d_varlen_reference(x, packed(RAGGED), want_pool, slots, has_initial, weight,
+                                                          bias, "silu")
     got = _C.causal_conv1d_varlen(x, packed(RAGGED), pool, slots, has_initial, weight, bias, "silu")
     assert_close(got, want)
     assert torch.equal(pool, want_pool)  # the last K inputs, exact in any dtype
@@ -179,7 +179,7 @@ def test_delta_varlen_matches_chunked_reference_on_ragged_lengths(isa, dtype):
     before = pool.clone()
     want_pool = pool.clone()
     want = state_reference.gated_delta_rule_varlen_reference(q, k, v, g, beta, packed(RAGGED), want_pool, slots,
-                                                       has_initial, True)
+                                                             has_initial, True)
     got = _C.gated_delta_rule_varlen(q, k, v, g, beta, packed(RAGGED), pool, slots, has_initial, True, DK**-0.5)
     assert_close(got, want)
     torch.testing.assert_close(pool, want_pool, atol=1e-5, rtol=1e-5)  # fp32 in both, whatever the inputs
@@ -208,7 +208,7 @@ def test_delta_state_carries_from_prefill_through_decode_steps(isa):
     slots = torch.tensor([0])
     want_pool = pool.clone()
     want = state_reference.gated_delta_rule_varlen_reference(q, k, v, g, beta, packed([9]), want_pool, slots,
-                                                       torch.tensor([False]), True)
+                                                             torch.tensor([False]), True)
     steps = [_C.gated_delta_rule_varlen(q[:4], k[:4], v[:4], g[:4], beta[:4], packed([4]), pool, slots,
                                         torch.tensor([False]), True, DK**-0.5)]
     for t in range(4, 9):
@@ -225,7 +225,7 @@ def test_delta_rule_takes_another_scale_and_no_l2norm(isa):
     cu, has_initial = packed([3, 5, 8]), torch.tensor([True, False, True])
     want_pool = pool.clone()
     want = state_reference.gated_delta_rule_varlen_reference(q, k, v, g, beta, cu, want_pool, slots, has_initial, False,
-                                                       scale=0.3)
+                                                             scale=0.3)
     got = _C.gated_delta_rule_varlen(q, k, v, g, beta, cu, pool, slots, has_initial, False, 0.3)
     assert_close(got, want)
     assert_close(pool, want_pool)
@@ -302,8 +302,8 @@ def test_mamba2_scan_matches_chunked_reference_on_ragged_lengths(isa, dtype):
     before = pool.clone()
     want_pool = pool.clone()
     # 16-token chunks: the 70-token request spans five, the last one padded
-    want = state_reference.mamba2_scan_varlen_reference(x, dt, A, B, C, packed(RAGGED), want_pool, slots, has_initial, D,
-                                                  dt_bias, True, chunk_size=16)
+    want = state_reference.mamba2_scan_varlen_reference(x, dt, A, B, C, packed(RAGGED), want_pool, slots,
+                                                        has_initial, D, dt_bias, True, chunk_size=16)
     got = _C.mamba2_scan_varlen(x, dt, A, B, C, D, dt_bias, True, 0.0, float("inf"), packed(RAGGED), pool, slots,
                                 has_initial)
     assert got.dtype == torch.float32  # as transformers' chunk scan, whatever the inputs
@@ -316,8 +316,8 @@ def test_mamba2_scan_clamps_dt_to_dt_limit(isa):
     x, dt, A, B, C, D, dt_bias, _, pool = ssd_inputs(9, 2, torch.float32, seed=36)
     slots, has_initial, cu = torch.tensor([1, 0]), torch.tensor([True, False]), packed([4, 5])
     want_pool = pool.clone()
-    want = state_reference.mamba2_scan_varlen_reference(x, dt, A, B, C, cu, want_pool, slots, has_initial, D, dt_bias, True,
-                                                  dt_limit=(0.3, 0.9), chunk_size=4)
+    want = state_reference.mamba2_scan_varlen_reference(x, dt, A, B, C, cu, want_pool, slots, has_initial, D,
+                                                        dt_bias, True, dt_limit=(0.3, 0.9), chunk_size=4)
     got = _C.mamba2_scan_varlen(x, dt, A, B, C, D, dt_bias, True, 0.3, 0.9, cu, pool, slots, has_initial)
     assert_close(got, want)
     assert_close(pool, want_pool)
@@ -347,7 +347,7 @@ def test_mamba2_state_carries_from_prefill_through_decode_steps(isa):
     slots = torch.tensor([2])
     want_pool = pool.clone()
     want = state_reference.mamba2_scan_varlen_reference(x, dt, A, B, C, packed([9]), want_pool, slots,
-                                                  torch.tensor([False]), D, dt_bias, True, chunk_size=4)
+                                                        torch.tensor([False]), D, dt_bias, True, chunk_size=4)
     steps = [_C.mamba2_scan_varlen(x[:4], dt[:4], A, B[:4], C[:4], D, dt_bias, True, 0.0, float("inf"), packed([4]),
                                    pool, slots, torch.tensor([False]))]
     for t in range(4, 9):  # the update has no clamp; dt_limit (0, inf) changes nothing after a softplus
@@ -403,7 +403,7 @@ def test_mamba_scan_matches_reference_on_ragged_lengths(isa, dtype):
     before = pool.clone()
     want_pool = pool.clone()
     want = state_reference.mamba_scan_varlen_reference(x, dt, A, B, C, packed(RAGGED), want_pool, slots, has_initial, D,
-                                                 dt_bias, z, True)
+                                                       dt_bias, z, True)
     got = _C.mamba_scan_varlen(x, dt, A, B, C, D, dt_bias, z, True, packed(RAGGED), pool, slots, has_initial)
     assert got.dtype == torch.float32  # x's dtype promoted with D's (fp32), as transformers' scan
     torch.testing.assert_close(got, want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
@@ -416,7 +416,7 @@ def test_mamba_scan_with_a_bf16_skip_returns_bf16(isa):
     slots, has_initial, cu = torch.tensor([0, 1]), torch.tensor([False, False]), packed([2, 4])
     want_pool = pool.clone()
     want = state_reference.mamba_scan_varlen_reference(x, dt, A, B, C, cu, want_pool, slots, has_initial, D.bfloat16(),
-                                                 dt_bias, z, True)
+                                                       dt_bias, z, True)
     got = _C.mamba_scan_varlen(x, dt, A, B, C, D.bfloat16(), dt_bias, z, True, cu, pool, slots, has_initial)
     assert_close(got, want)
 
@@ -444,7 +444,7 @@ def test_mamba_state_carries_from_prefill_through_decode_steps(isa):
     slots = torch.tensor([1])
     want_pool = pool.clone()
     want = state_reference.mamba_scan_varlen_reference(x, dt, A, B, C, packed([9]), want_pool, slots,
-                                                 torch.tensor([False]), D, dt_bias, z, True)
+                                                       torch.tensor([False]), D, dt_bias, z, True)
     steps = [_C.mamba_scan_varlen(x[:4], dt[:4], A, B[:4], C[:4], D, dt_bias, z[:4], True, packed([4]), pool, slots,
                                   torch.tensor([False]))]
     for t in range(4, 9):

@@ -6,8 +6,8 @@ from typing import Any
 
 
 def engine_stats(core: Any) -> dict[str, int | float]:
-    """The counters of `ContinuousBatchingManager.stats()` (see there), from the `EngineCore`'s own counters, its allocator,
-    scheduler, sampler, host pool and state slots."""
+    """The counters of `ContinuousBatchingManager.stats()` (see there), from the `EngineCore`'s own counters, its
+    allocator, scheduler, sampler, host pool and state slots."""
     stats: dict[str, int | float] = dict(core.counters)
     allocator = core.cache.allocator.stats()
     scheduler = core.scheduler

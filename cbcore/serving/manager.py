@@ -99,8 +99,8 @@ class ContinuousBatchingManager(RequestSubmission, ResultReading, EngineInspecti
         self.continuous_batching_config = as_cbcore_config(continuous_batching_config)
         self.workload_hints = workload_hints
         if tokenizer is not None and not callable(getattr(tokenizer, "get_vocab", None)):
-            raise TypeError(f"ContinuousBatchingManager: tokenizer must be the model's transformers tokenizer (or None), "
-                            f"got {type(tokenizer).__name__}")
+            raise TypeError(f"ContinuousBatchingManager: tokenizer must be the model's transformers tokenizer (or "
+                            f"None), got {type(tokenizer).__name__}")
         self.tokenizer = tokenizer
         self._grammar_engine: GrammarEngine | None = None
         self.model = model.eval()

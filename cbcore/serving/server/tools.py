@@ -3,12 +3,13 @@ template, and the calls taken out of the generated text into the message's `tool
 
 What each `tool_choice` does, as vLLM does it:
 
-| tool_choice | the text | its tool calls |
-|---|---|---|
-| `none` | free | none (the text is the message's content) |
-| `auto` | free | parsed by the model's response template (transformers': the tokenizer's own `response_template`, else transformers' template for its model type, e.g. Qwen's `<tool_call>` JSON); a model with none is a 400 |
-| `required` | a JSON array of `{"name", "parameters"}`, one schema per tool, enforced by a grammar | every element |
-| a named function | that function's parameters, enforced by its JSON schema | one call of it |
+- `none`: the text is free and is the message's content; no tool calls.
+- `auto`: the text is free; tool calls are parsed out of it by the model's response template (transformers': the
+  tokenizer's own `response_template`, else transformers' template for its model type, e.g. Qwen's `<tool_call>`
+  JSON); a model with none is a 400.
+- `required`: the text is a JSON array of `{"name", "parameters"}`, one schema per tool, enforced by a grammar; every
+  element is a call.
+- a named function: the text is that function's parameters, enforced by its JSON schema; one call of it.
 
 So `required` and a named function never depend on the model's own format, and always give calls whose arguments
 validate against the tool's schema (compact JSON: a small model left free to add whitespace may add it until
