@@ -270,7 +270,13 @@ class RequestState:
 
     def fork_child(self, request_id: str) -> RequestState:
         """A child for `num_return_sequences`: same prompt, settings and progress, no blocks (the cache shares them),
-        its own id and creation time. Mirrors transformers' `RequestState.fork`."""
+        its own id and creation time. Mirrors transformers' `RequestState.fork`. A seeded request's child `i` draws
+        from its own generator, seeded `seed + 1 + i` (as vLLM seeds a request's samples `seed + index`): with one
+        seed for all, every sample of the request would be the same."""
+        kwargs = dict(self.logit_processor_kwargs)
+        _, index = split_child_id(request_id)
+        if kwargs.get(SEED_KWARG) is not None and index >= 0:
+            kwargs[SEED_KWARG] = (kwargs[SEED_KWARG] + 1 + index) % 2**63
         child = RequestState(
             request_id=request_id,
             initial_tokens=self.initial_tokens,
@@ -278,7 +284,7 @@ class RequestState:
             eos_token_id=self.eos_token_id,
             streaming=self.streaming,
             record_timestamps=self.record_timestamps,
-            logit_processor_kwargs=dict(self.logit_processor_kwargs),
+            logit_processor_kwargs=kwargs,
             sampling_controls=self.sampling_controls,
             prompt_logprobs=self.prompt_logprobs,
         )

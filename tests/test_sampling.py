@@ -102,6 +102,32 @@ def test_a_request_with_its_own_seed_draws_the_same_tokens_whatever_shares_its_s
     assert crowd[4] != alone
 
 
+def test_a_seeded_request_with_several_return_sequences_draws_different_samples_reproducibly() -> None:
+    """`num_return_sequences=3` and a `seed`: the three sequences differ (child i draws from `seed + 1 + i`, as vLLM
+    seeds a request's samples), and the same seed gives the same three again."""
+    from conftest import collect_outputs
+
+    model = tiny_model("llama_gqa")
+    config = GenerationConfig(max_new_tokens=10, do_sample=True, temperature=1.5, num_return_sequences=3,
+                              eos_token_id=None, pad_token_id=0)
+    prompt = random_prompts([6], seed=33)[0]
+
+    def serve() -> list[list[int]]:
+        manager = cbcore.ContinuousBatchingManager(model, config, cbcore.ContinuousBatchingConfig(page_size=4))
+        manager.start()
+        try:
+            request_id = manager.add_request(prompt, seed=11)
+            ids = [request_id, f"{request_id}__child#0", f"{request_id}__child#1"]
+            outputs = collect_outputs(manager, ids)
+        finally:
+            manager.stop()
+        return [outputs[rid].generated_tokens for rid in ids]
+
+    first = serve()
+    assert len({tuple(tokens) for tokens in first}) == 3
+    assert serve() == first
+
+
 def test_top_logprobs_are_the_models_own_before_temperature_and_top_k() -> None:
     """A request with `top_logprobs=n` gets, per generated token, the model's n most likely tokens with the
     log-softmax of the raw logits (and that chosen-token logprob), whatever its temperature and top-k; a request
