@@ -58,6 +58,7 @@ class ToolRequest:
     parallel: bool = True
 
     def function(self, name: str) -> dict[str, Any]:
+        """The `function` object of the tool named `name`."""
         return next(tool["function"] for tool in self.tools if tool["function"]["name"] == name)
 
     def constraint(self) -> StructuredOutput | None:
@@ -83,8 +84,8 @@ class ToolRequest:
 
 
 def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
-    """The body's tools and tool_choice (None without tools, or with tool_choice "none"); a 400 naming the field
-    for anything malformed."""
+    """The body's tools and tool_choice (None without tools; with tool_choice "none" the tools are still rendered by
+    the chat template, and no call is parsed); a 400 naming the field for anything malformed."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
