@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import pytest
 import torch
-from test_server import Server, tokenizer  # noqa: F401 - fixtures
+from test_server import Server, default_model_server, tokenizer  # noqa: F401 - fixtures
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 openai = pytest.importorskip("openai")
@@ -35,18 +35,8 @@ ASK = [{"role": "user", "content": "What's the weather like in Paris today?"}]
 
 
 @pytest.fixture(scope="module")
-def default_server(tokenizer):  # noqa: F811 - the fixture imported above
-    """The default model (SmolLM2-135M-Instruct), served as "tiny"."""
-    server = Server(None)
-    try:
-        yield server
-    finally:
-        server.kill()
-
-
-@pytest.fixture(scope="module")
-def client(default_server):
-    return openai.OpenAI(base_url=default_server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+def client(default_model_server):
+    return openai.OpenAI(base_url=default_model_server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
 
 
 def _schema_of(tool: dict) -> dict:
@@ -200,13 +190,14 @@ def test_a_conversation_carrying_tool_calls_and_results_is_accepted(client) -> N
     ({"tools": [WEATHER], "tool_choice": "required", "stop": ["x"]}, "stop", "stop"),
     ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "guided_regex", "tool calls"),
 ])
-def test_malformed_constraints_and_tools_are_a_400_naming_the_field(default_server, extra, param, message) -> None:
+def test_malformed_constraints_and_tools_are_a_400_naming_the_field(default_model_server, extra, param,
+                                                                    message) -> None:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, **extra}
-    response = httpx.post(default_server.url + "/v1/chat/completions", json=body, timeout=30)
+    response = httpx.post(default_model_server.url + "/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and message in error["message"], error
-    assert default_server.wait_idle()
+    assert default_model_server.wait_idle()
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ from typing import Any
 
 from ...grammar import GrammarError
 from ...structured_output import StructuredOutput, structured_output
-from .protocol import ProtocolError, SamplingParams
+from .errors import ProtocolError, invalid_value
+from .protocol import SamplingParams
 from .tools import ToolRequest
 
 # vLLM's `structured_outputs` fields that cbcore's grammar engine honours as they are, and those that change nothing
@@ -29,13 +30,9 @@ CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "js
 _BACKENDS = (None, "auto", "xgrammar")
 
 
-def _invalid(message: str, param: str) -> ProtocolError:
-    return ProtocolError(message, param=param, code="invalid_value")
-
-
 def _response_format(value: Any) -> StructuredOutput | None:
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
-        raise _invalid("'response_format' must be an object with a 'type'", "response_format")
+        raise invalid_value("'response_format' must be an object with a 'type'", "response_format")
     kind = value["type"]
     if kind == "text":
         return None
@@ -44,21 +41,21 @@ def _response_format(value: Any) -> StructuredOutput | None:
     if kind == "json_schema":
         spec = value.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", spec.get("json_schema")), dict):
-            raise _invalid("'response_format.json_schema' must be an object with the JSON schema under 'schema'",
+            raise invalid_value("'response_format.json_schema' must be an object with the JSON schema under 'schema'",
                            "response_format.json_schema")
         strict = spec.get("strict")
         if strict is not None and not isinstance(strict, bool):
-            raise _invalid("'response_format.json_schema.strict' must be a boolean", "response_format.json_schema")
+            raise invalid_value("'response_format.json_schema.strict' must be a boolean", "response_format.json_schema")
         return StructuredOutput(json=spec.get("schema", spec.get("json_schema")))
     if kind == "structural_tag":
         return StructuredOutput(structural_tag=value)
-    raise _invalid(f"'response_format.type' must be 'text', 'json_object', 'json_schema' or 'structural_tag', got "
+    raise invalid_value(f"'response_format.type' must be 'text', 'json_object', 'json_schema' or 'structural_tag', got "
                    f"{kind!r}", "response_format.type")
 
 
 def _structured_outputs(value: Any) -> StructuredOutput:
     if not isinstance(value, dict):
-        raise _invalid("'structured_outputs' must be an object", "structured_outputs")
+        raise invalid_value("'structured_outputs' must be an object", "structured_outputs")
     if value.get("whitespace_pattern") is not None:
         raise ProtocolError("'structured_outputs.whitespace_pattern' is not supported by this server: it is an "
                             "outlines option and cbcore's grammar engine is xgrammar; use disable_any_whitespace",
@@ -80,7 +77,7 @@ def _checked(given: dict, param: str) -> StructuredOutput:
     try:
         return structured_output(given, f"'{param}'")
     except (TypeError, ValueError) as error:
-        raise _invalid(str(error), param) from None
+        raise invalid_value(str(error), param) from None
 
 
 def _json_value(value: Any, param: str) -> Any:
@@ -89,7 +86,7 @@ def _json_value(value: Any, param: str) -> Any:
         try:
             return json.loads(value)
         except ValueError as error:
-            raise _invalid(f"'{param}' is not valid JSON: {error}", param) from None
+            raise invalid_value(f"'{param}' is not valid JSON: {error}", param) from None
     return value
 
 
@@ -116,7 +113,7 @@ def request_constraint(body: dict) -> StructuredOutput | None:
         raise ProtocolError(f"'guided_decoding_backend': cbcore's grammar engine is xgrammar, got {backend!r}",
                             param="guided_decoding_backend", code="unsupported_parameter")
     if len(found) > 1:
-        raise _invalid(f"give one constraint per request, got {[name for name, _ in found]}", found[1][0])
+        raise invalid_value(f"give one constraint per request, got {[name for name, _ in found]}", found[1][0])
     return found[0][1] if found else None
 
 

@@ -26,3 +26,8 @@ class ProtocolError(Exception):
     def body(self) -> dict[str, Any]:
         """OpenAI's error body."""
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+
+def invalid_value(message: str, param: str) -> ProtocolError:
+    """A 400 for a field whose value the server cannot take (OpenAI's code `invalid_value`), naming the field."""
+    return ProtocolError(message, param=param, code="invalid_value")

@@ -26,11 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...structured_output import StructuredOutput
-from .protocol import ProtocolError
-
-
-def _invalid(message: str, param: str) -> ProtocolError:
-    return ProtocolError(message, param=param, code="invalid_value")
+from .errors import ProtocolError, invalid_value
 
 
 @dataclass
@@ -90,27 +86,27 @@ def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
     choice = body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
-        raise _invalid("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
+        raise invalid_value("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
     if tools is None or tools == []:
         if choice not in (None, "none", "auto"):
-            raise _invalid(f"'tool_choice' {json.dumps(choice)} needs 'tools'", "tool_choice")
+            raise invalid_value(f"'tool_choice' {json.dumps(choice)} needs 'tools'", "tool_choice")
         return None
     if not isinstance(tools, list):
-        raise _invalid("'tools' must be a list of {'type': 'function', 'function': {...}}", "tools")
+        raise invalid_value("'tools' must be a list of {'type': 'function', 'function': {...}}", "tools")
     names = []
     for index, tool in enumerate(tools):
         where = f"tools[{index}]"
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
-            raise _invalid(f"'{where}' must be {{'type': 'function', 'function': {{...}}}}", where)
+            raise invalid_value(f"'{where}' must be {{'type': 'function', 'function': {{...}}}}", where)
         function = tool["function"]
         if not isinstance(function.get("name"), str) or not function["name"]:
-            raise _invalid(f"'{where}.function.name' must be a non-empty string", where)
+            raise invalid_value(f"'{where}.function.name' must be a non-empty string", where)
         parameters = function.get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
-            raise _invalid(f"'{where}.function.parameters' must be a JSON schema object", where)
+            raise invalid_value(f"'{where}.function.parameters' must be a JSON schema object", where)
         names.append(function["name"])
     if len(set(names)) != len(names):
-        raise _invalid(f"'tools' names must be distinct, got {names}", "tools")
+        raise invalid_value(f"'tools' names must be distinct, got {names}", "tools")
     if choice is None or choice == "auto":
         request = ToolRequest(tools, "auto")
     elif choice == "none":
@@ -120,11 +116,11 @@ def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
     elif (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
           and isinstance(choice["function"].get("name"), str)):
         if choice["function"]["name"] not in names:
-            raise _invalid(f"'tool_choice' names {choice['function']['name']!r}, which is not among 'tools' "
+            raise invalid_value(f"'tool_choice' names {choice['function']['name']!r}, which is not among 'tools' "
                            f"{names}", "tool_choice")
         request = ToolRequest(tools, "named", choice["function"]["name"])
     else:
-        raise _invalid("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
+        raise invalid_value("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
                        f"{{'name': ...}}}}, got {json.dumps(choice)}", "tool_choice")
     request.parallel = True if parallel is None else parallel
     return request
