@@ -1,7 +1,10 @@
 """xgrammar against llguidance on the default model's tokenizer (SmolLM2, 49,152 tokens): what cbcore's structured
 output pays per engine for its three costs. Preparing the tokenizer (once per process), compiling a JSON schema
 (once per distinct schema), and filling one request's token bitmask per generated token (every step, for every
-constrained row), measured by walking the tokens of a document the schema accepts.
+constrained row), measured by walking the tokens of a document the schema accepts. Then applying a step's masks to
+its logits (64 rows of 49,152 fp32 logits): xgrammar's CPU kernel against cbcore's (`_C.apply_token_bitmask`), on a
+mask that allows few tokens (a grammar inside keys, enums or numbers) and on random words of allowed, disallowed and
+mixed tokens.
 
     .venv/bin/python bench/grammar_engines.py [--repeat 3]
 
@@ -37,6 +40,7 @@ DOCUMENT = {"name": "Ada Lovelace", "age": 36, "email": "ada@example.org", "tags
 
 
 def xgrammar_costs(tokenizer, vocab_size: int, tokens: list[int]) -> dict[str, float]:
+    """Seconds to prepare the tokenizer and compile SCHEMA, and the median and worst fill of one row's mask."""
     import xgrammar as xgr
 
     start = time.perf_counter()
@@ -58,6 +62,7 @@ def xgrammar_costs(tokenizer, vocab_size: int, tokens: list[int]) -> dict[str, f
 
 
 def llguidance_costs(tokenizer, vocab_size: int, tokens: list[int]) -> dict[str, float]:
+    """As `xgrammar_costs`, with llguidance."""
     import llguidance
     import llguidance.hf
     import llguidance.torch
@@ -80,7 +85,45 @@ def llguidance_costs(tokenizer, vocab_size: int, tokens: list[int]) -> dict[str,
             "fill_max": max(fills)}
 
 
+APPLY_ROWS = 64
+APPLY_CALLS = 20  # per round and kernel: the median call is kept
+
+
+def bitmasks(vocab_size: int) -> dict[str, torch.Tensor]:
+    """The two masks of the apply comparison: few tokens allowed (three, in one word), and random words (a third of
+    them all allowed, a third none, a third mixed)."""
+    words = (vocab_size + 31) // 32
+    few = torch.zeros(APPLY_ROWS, words, dtype=torch.int32)
+    few[:, 5] = 7
+    generator = torch.Generator().manual_seed(0)
+    mixed = torch.randint(-2**31, 2**31 - 1, (APPLY_ROWS, words), dtype=torch.int32, generator=generator)
+    kind = torch.randint(0, 3, (APPLY_ROWS, words), generator=generator)
+    mixed[kind == 0] = -1
+    mixed[kind == 1] = 0
+    return {"few allowed": few, "random words": mixed}
+
+
+def apply_seconds(kernel: str, bitmask: torch.Tensor, vocab_size: int) -> float:
+    """The median seconds of one call applying `bitmask` to 64 rows of logits, by xgrammar's or cbcore's kernel."""
+    import xgrammar
+
+    from cbcore.grammar import apply_bitmask
+
+    logits = torch.randn(APPLY_ROWS, vocab_size)
+    rows = list(range(APPLY_ROWS))
+    calls = []
+    for _ in range(APPLY_CALLS):
+        began = time.perf_counter()
+        if kernel == "xgrammar":
+            xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+        else:
+            apply_bitmask(logits, bitmask, rows)
+        calls.append(time.perf_counter() - began)
+    return statistics.median(calls)
+
+
 def main() -> None:
+    """Interleave the engines (and the kernels) round by round; print the medians."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
@@ -102,6 +145,20 @@ def main() -> None:
         median = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
         print(f"| {name} | {median['tokenizer'] * 1e3:.0f} | {median['compile'] * 1e3:.1f} | "
               f"{median['fill'] * 1e6:.0f} | {median['fill_max'] * 1e6:.0f} |")
+    masks = bitmasks(vocab_size)
+    applied: dict[tuple[str, str], list[float]] = {}
+    for _ in range(args.repeat):
+        for mask_name, bitmask in masks.items():
+            for kernel in ("xgrammar", "cbcore"):
+                applied.setdefault((mask_name, kernel), []).append(apply_seconds(kernel, bitmask, vocab_size))
+    print(f"\napplying a step's masks: {APPLY_ROWS} rows of {vocab_size} fp32 logits, median call of {APPLY_CALLS} "
+          f"per round, medians of {args.repeat} interleaved rounds\n")
+    print("| mask | xgrammar's CPU kernel (ms) | cbcore's (ms) | xgrammar / cbcore |")
+    print("|---|---|---|---|")
+    for mask_name in masks:
+        theirs = statistics.median(applied[(mask_name, "xgrammar")])
+        ours = statistics.median(applied[(mask_name, "cbcore")])
+        print(f"| {mask_name} | {theirs * 1e3:.2f} | {ours * 1e3:.2f} | {theirs / ours:.1f} |")
 
 
 if __name__ == "__main__":
